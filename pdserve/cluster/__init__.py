@@ -1,0 +1,4 @@
+"""Config schema, Serve application builder and command line.
+
+Wires everything together.
+"""
