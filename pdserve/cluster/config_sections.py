@@ -1,0 +1,224 @@
+"""The sections of the YAML config, one pydantic model each; `config.py` assembles them.
+
+Every model refuses unknown keys and coerces nothing (strict): YAML mistakes surface at load time.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
+
+from pdserve.cluster.capacity import RatioBand, RatioTerms, ReplicaResources, parse_ratio
+
+# A guessable handoff token would let any peer write into decode workers' KV caches.
+MIN_TOKEN_CHARS = 16
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys refused, no type coercion, immutable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+def _parse_ratio_field(value: Any) -> RatioTerms:
+    # CapacityError is a ValueError: pydantic reports it at this field's key path.
+    return parse_ratio(value)
+
+
+Ratio = Annotated[RatioTerms, BeforeValidator(_parse_ratio_field)]
+
+
+class GeneratedModel(Section):
+    family: Literal["llama", "qwen2"] = Field(
+        description="Architecture family of the random-weight checkpoint to generate.")
+    size: Literal["tiny", "small"] = Field("tiny", description="Preset size of the model.")
+    seed: int = Field(0, description="Seed of the random weights; same seed, same checkpoint.")
+
+
+class ModelSection(Section):
+    path: str | None = Field(
+        None, description="Local Hugging Face checkpoint directory (config.json, *.safetensors, "
+        "tokenizer). Exactly one of path and generate.")
+    generate: GeneratedModel | None = Field(
+        None, description="Generate a random-weight checkpoint offline on first run instead of "
+        "loading one. Exactly one of path and generate.")
+    cache_dir: str = Field(
+        "~/.cache/pdserve/models",
+        description="Where generated checkpoints are written and reused.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weight and KV cache dtype.")
+    max_model_len: int | None = Field(
+        None, ge=1, description="Longest prompt + output in tokens; default: the checkpoint's "
+        "max_position_embeddings.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.path is None) == (self.generate is None):
+            raise ValueError("give exactly one of model.path (a checkpoint directory) and "
+                             "model.generate ({family: llama, size: tiny, seed: 0})")
+        return self
+
+
+class EngineSection(Section):
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block.")
+    num_kv_blocks: int | None = Field(
+        None, ge=1, description="KV cache blocks per worker. At most one of num_kv_blocks and "
+        "kv_cache_memory_gb; neither: the engine's default memory budget.")
+    kv_cache_memory_gb: float | None = Field(
+        None, gt=0, description="KV cache size per worker in GiB, converted to blocks.")
+    max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
+    max_num_seqs: int = Field(64, ge=1, description="Most requests in one engine step.")
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="Cap on one request's prefill chunk per step (0: no cap), so a long "
+        "prompt cannot stall decodes sharing the step.")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA when the replica sees a GPU, else CPU.")
+
+    @model_validator(mode="after")
+    def _one_kv_size(self) -> EngineSection:
+        if self.num_kv_blocks is not None and self.kv_cache_memory_gb is not None:
+            raise ValueError("give at most one of engine.num_kv_blocks and "
+                             "engine.kv_cache_memory_gb")
+        return self
+
+
+class Resources(Section):
+    num_cpus: float = Field(1.0, ge=0, description="Logical CPUs Ray reserves per replica.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; whole numbers in "
+                            "disaggregated mode so prefill and decode never share a GPU.")
+    custom: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources per replica, e.g. {prefill_node: "
+        "1} to pin the role to nodes started with --resources '{\"prefill_node\": N}'.")
+
+    def to_replica_resources(self) -> ReplicaResources:
+        return ReplicaResources(self.num_cpus, self.num_gpus, tuple(sorted(self.custom.items())))
+
+
+class Autoscaling(Section):
+    min_replicas: int = Field(1, ge=1, description="Fewest replicas the role scales down to.")
+    max_replicas: int = Field(ge=1, description="Most replicas the role scales up to.")
+    target_ongoing_requests: float = Field(
+        2.0, gt=0, description="Ray Serve autoscaling target of in-flight requests per replica.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Autoscaling:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= min_replicas "
+                             f"({self.min_replicas})")
+        return self
+
+    def to_serve(self, initial_replicas: int) -> dict[str, Any]:
+        """Ray Serve's ``autoscaling_config`` for a deployment starting at ``initial_replicas``."""
+        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "initial_replicas": initial_replicas,
+                "target_ongoing_requests": self.target_ongoing_requests}
+
+
+class Role(Section):
+    replicas: int | None = Field(
+        None, ge=1, description="Start-up replica count. Omit when roles.capacity derives it.")
+    resources: Resources = Field(default_factory=Resources, description="Per-replica resources.")
+    autoscaling: Autoscaling | None = Field(
+        None, description="Scale this role within bounds; start-up count must lie inside them.")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray node labels a replica's node must carry "
+        "(label selector); alternative to pinning with custom resources.")
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """Ray Serve's ``ray_actor_options`` for one replica of this role."""
+        options: dict[str, Any] = {"num_cpus": self.resources.num_cpus,
+                                   "num_gpus": self.resources.num_gpus}
+        if self.resources.custom:
+            options["resources"] = dict(self.resources.custom)
+        if self.node_labels:
+            options["label_selector"] = dict(self.node_labels)
+        return options
+
+
+class Capacity(Section):
+    ratio: Ratio | None = Field(
+        None, description="prefill:decode replicas, '1:2' or {prefill: 1, decode: 2}; terms are "
+        "positive integers (reduced by their gcd). Omit in colocated mode.")
+    total_cpus: float | None = Field(
+        None, gt=0,
+        description="CPUs to divide by the ratio. Exactly one of total_cpus/total_gpus.")
+    total_gpus: float | None = Field(
+        None, gt=0,
+        description="GPUs to divide by the ratio. Exactly one of total_cpus/total_gpus.")
+    allow_unused: bool = Field(
+        False, description="Leave resources idle when the total is not a whole number of ratio "
+        "units (otherwise such a total is refused).")
+
+    @model_validator(mode="after")
+    def _one_total(self) -> Capacity:
+        if (self.total_cpus is None) == (self.total_gpus is None):
+            raise ValueError("give exactly one of roles.capacity.total_cpus and total_gpus")
+        return self
+
+
+class Roles(Section):
+    prefill: Role | None = Field(None, description="Prefill workers (disaggregated mode only).")
+    decode: Role = Field(default_factory=Role, description="Decode workers; in colocated mode "
+                         "they do prefill too.")
+    capacity: Capacity | None = Field(
+        None, description="Derive replica counts from a resource total instead of replicas.")
+
+
+class RatioBandSection(Section):
+    min: Ratio = Field(description="Lowest allowed prefill:decode replica ratio, e.g. '1:4'.")
+    max: Ratio = Field(description="Highest allowed prefill:decode replica ratio, e.g. '1:1'.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RatioBandSection:
+        if self.min.fraction > self.max.fraction:
+            raise ValueError(f"ratio_band.min {self.min} is above ratio_band.max {self.max}")
+        return self
+
+    def to_band(self) -> RatioBand:
+        return RatioBand.from_ratios(self.min, self.max)
+
+
+class RouterSection(Section):
+    min_disaggregated_prompt_tokens: int = Field(
+        64, ge=0, description="Prompts shorter than this are prefilled on the decode worker "
+        "(moving their KV costs more than recomputing it); 0: always disaggregate.")
+    max_queued_requests: int = Field(
+        256, ge=1, description="Requests waiting for a worker before new ones get 429.")
+    request_timeout_s: float = Field(120.0, gt=0, description="Whole-request deadline.")
+    prefill_policy: Literal["prefix_affinity", "least_loaded", "round_robin"] = Field(
+        "prefix_affinity", description="How the router picks a prefill replica.")
+    decode_policy: Literal["kv_headroom", "least_loaded", "round_robin"] = Field(
+        "kv_headroom", description="How the router picks a decode replica.")
+    ratio_band: RatioBandSection | None = Field(
+        None, description="Allowed prefill:decode replica ratio while autoscaling.")
+    replicas: int = Field(1, ge=1, description="Ingress (HTTP) replicas.")
+    num_cpus: float = Field(0.0, ge=0, description="Logical CPUs reserved per ingress replica.")
+
+
+class HandoffSection(Section):
+    auth_token: SecretStr | None = Field(
+        None, description="Shared token KV peers must present. Prefer "
+        "auth_token_env; neither: a random token is made per application start.")
+    auth_token_env: str | None = Field(
+        None, min_length=1, description="Environment variable holding the shared token.")
+    timeout_s: float = Field(30.0, gt=0, description="Deadline of one KV handoff.")
+    host: str = Field("auto", description="Address the receiver listens on; auto: the node's IP.")
+    staging_buffer_mb: int = Field(64, ge=1, description="Per-worker staging buffer for sends.")
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> HandoffSection:
+        token = self.auth_token.get_secret_value() if self.auth_token is not None else None
+        if token is not None and len(token) < MIN_TOKEN_CHARS:
+            raise ValueError(f"handoff.auth_token must hold at least {MIN_TOKEN_CHARS} "
+                             "characters; make one with: "
+                             "python -c 'import secrets; print(secrets.token_hex(16))'")
+        if self.auth_token is not None and self.auth_token_env is not None:
+            raise ValueError("give at most one of handoff.auth_token and handoff.auth_token_env")
+        return self
+
+
+class HttpSection(Section):
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP server.")

@@ -1,0 +1,94 @@
+"""Prometheus metrics of the request stages, named ``pdserve:*``, on a registry this object owns.
+
+Serve `render()` at ``GET /metrics``; `observe()` once per finished request.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
+
+from pdserve.router.timings import RequestTimings
+
+# Latencies from 1 ms (a cached tokenize) to 2 min (a long prompt on CPU).
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0, 30.0, 60.0, 120.0)
+# Per-token gaps sit between 1 ms (GPU) and a few seconds (CPU under load).
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12)
+# 4 KiB (one tiny block) to 4 GiB (a long prompt of a large model), x4 steps.
+BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(1, 12))
+NO_PATH_LABEL = "none"
+
+# (metric suffix, RequestTimings field in ms, help) of the unlabeled stage histograms.
+_STAGES = (
+    ("tokenize_seconds", "tokenize_ms", "Chat template and tokenization time."),
+    ("decode_reserve_seconds", "decode_reserve_ms", "Time to reserve KV blocks on decode."),
+    ("prefill_queue_seconds", "prefill_queue_ms", "Wait before a prefill worker started."),
+    ("prefill_compute_seconds", "prefill_compute_ms", "Prefill compute time."),
+    ("handoff_seconds", "handoff_ms", "KV handoff time, first send to verified fence."),
+    ("handoff_exposed_seconds", "handoff_exposed_ms",
+     "Handoff time left after prefill compute ended (not hidden by overlap)."),
+)
+
+
+class PdserveMetrics:
+    """All pdserve metrics of one process, on its own `CollectorRegistry`.
+
+    A registry per object (not the global default) lets tests and several apps in one process
+    coexist. Each ingress replica exports its own numbers; Prometheus sums across replicas.
+    """
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._ttft = Histogram("pdserve:ttft_seconds", "Time to first token.", ["path"],
+                               buckets=LATENCY_BUCKETS_S, registry=r)
+        self._tpot = Histogram("pdserve:tpot_seconds", "Mean time per output token after the "
+                               "first.", ["path"], buckets=TPOT_BUCKETS_S, registry=r)
+        self._e2e = Histogram("pdserve:e2e_seconds", "Whole request latency.", ["path"],
+                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self._stages = tuple(
+            (field, Histogram(f"pdserve:{name}", help_text, buckets=LATENCY_BUCKETS_S, registry=r))
+            for name, field, help_text in _STAGES)
+        self._handoff_bytes = Histogram("pdserve:handoff_bytes", "KV bytes moved per request.",
+                                        buckets=BYTES_BUCKETS, registry=r)
+        self._prefix_hit = Counter("pdserve:prefix_hit_tokens", "Prompt tokens served from a "
+                                   "prefix cache.", registry=r)
+        self._prefill_computed = Counter("pdserve:prefill_tokens_computed", "Prompt tokens "
+                                         "computed by prefill (any worker).", registry=r)
+        self._prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens received.",
+                                      registry=r)
+        self._output_tokens = Counter("pdserve:generation_tokens", "Tokens generated.",
+                                      registry=r)
+        self._requests = Counter("pdserve:requests", "Finished requests.", ["status", "path"],
+                                 registry=r)
+        self._fallbacks = Counter("pdserve:fallbacks", "Requests that left their planned path "
+                                  "(e.g. handoff failed, decode recomputed).", ["reason"],
+                                  registry=r)
+
+    def observe(self, timings: RequestTimings) -> None:
+        """Record one finished request (any status)."""
+        path = timings.path or NO_PATH_LABEL
+        self._requests.labels(status=timings.status, path=path).inc()
+        if timings.fallback_reason is not None:
+            self._fallbacks.labels(reason=timings.fallback_reason).inc()
+        for value, histogram in ((timings.ttft_ms, self._ttft), (timings.tpot_ms, self._tpot),
+                                 (timings.e2e_ms, self._e2e)):
+            if value is not None:
+                histogram.labels(path=path).observe(value / 1000.0)
+        for field, histogram in self._stages:
+            value = getattr(timings, field)
+            if value is not None:
+                histogram.observe(value / 1000.0)
+        if timings.handoff_bytes is not None:
+            self._handoff_bytes.observe(timings.handoff_bytes)
+        self._prefix_hit.inc(timings.prefix_hit_tokens)
+        self._prefill_computed.inc(timings.num_prefill_tokens_computed)
+        self._prompt_tokens.inc(timings.num_prompt_tokens)
+        self._output_tokens.inc(timings.num_output_tokens)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric, for ``GET /metrics``."""
+        return generate_latest(self.registry)

@@ -1,0 +1,273 @@
+"""OpenAI-compatible request schemas (chat and text completions) and their engine parameters.
+
+Unknown fields are ignored (clients send extras); known fields of the wrong type are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams
+from pdserve.router.protocol_responses import (
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    FinishReason,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    new_request_id,
+    unix_time,
+)
+
+__all__ = [
+    "AssistantMessage", "ChatCompletionChoice", "ChatCompletionChunk", "ChatCompletionChunkChoice",
+    "ChatCompletionRequest", "ChatCompletionResponse", "ChatMessage", "ChoiceLogprobs",
+    "CompletionChoice", "CompletionLogprobs", "CompletionRequest", "CompletionResponse",
+    "DeltaMessage", "FinishReason", "ModelCard", "ModelList", "PromptTokensDetails",
+    "StreamOptions", "TextContentPart", "TokenLogprob", "TopLogprob", "Usage", "new_request_id",
+    "parse_request", "to_sampling_params", "unix_time",
+]
+
+MAX_STOP_SEQUENCES = 4
+# Legacy completions allow at most 5 alternatives per token.
+MAX_COMPLETION_LOGPROBS = 5
+
+
+class _Request(BaseModel):
+    # strict: "5" is not 5 and 1 is not true; extra="ignore": OpenAI clients send fields we
+    # do not use (metadata, store, ...), and refusing them would break those clients.
+    model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        elif not isinstance(value, str):
+            raise ValueError("content must be a string or a list of {type: 'text', text} parts")
+        return value
+
+    def text(self) -> str:
+        """The message's text; several text parts are joined by newlines."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields chat and text completions share."""
+
+    model: str = Field(description="Served model name; see GET /v1/models.")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0: greedy. Default 1.")
+    top_p: float | None = Field(None, gt=0, le=1, description="Nucleus sampling mass. Default 1.")
+    top_k: int | None = Field(None, ge=-1, description="Extension: keep the k likeliest tokens; "
+                              "0 or -1: off.")
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="Reproducible sampling.")
+    stop: list[str] | None = Field(None, description="Up to 4 stop strings (or one string).")
+    stop_token_ids: list[int] | None = Field(None, description="Extension: stop on these ids.")
+    n: int = Field(1, description="Choices per request; only 1 is supported.")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
+    user: str | None = None
+    presence_penalty: float | None = Field(None, description="Unsupported unless 0.")
+    frequency_penalty: float | None = Field(None, description="Unsupported unless 0.")
+    logit_bias: dict[str, float] | None = Field(None, description="Unsupported unless empty.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list):
+            if len(value) > MAX_STOP_SEQUENCES:
+                raise ValueError(f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, "
+                                 f"got {len(value)}")
+            if any(s == "" for s in value):
+                raise ValueError("stop sequences must not be empty strings")
+        elif value is not None:
+            raise ValueError("stop must be a string or a list of strings")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int) -> int:
+        if value > 1:
+            raise ValueError("n > 1 is not supported; send one request per completion")
+        if value < 1:
+            raise ValueError(f"n must be 1, got {value}")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float | None, info: ValidationInfo) -> float | None:
+        if value not in (None, 0):
+            raise ValueError(f"{info.field_name} is not supported; omit it or send 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported; omit it")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Overrides max_tokens.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = Field(None, description="Unsupported unless empty.")
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tools are not supported; omit them")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        # `logprobs` is declared first, so it is already in info.data when valid.
+        if value is not None and not info.data.get("logprobs", False):
+            raise ValueError("top_logprobs requires logprobs: true")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The conversation as the chat template wants it: ``[{role, content}]``."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``: a text prompt, or one list of token ids."""
+
+    prompt: str | list[int] = Field(description="Text, or token ids (one prompt only).")
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: bool = Field(False, description="Unsupported unless false.")
+    best_of: int | None = Field(None, description="Unsupported unless 1.")
+    suffix: str | None = Field(None, description="Unsupported.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if not value:
+                raise ValueError("prompt must not be empty")
+            return value
+        if not isinstance(value, list):
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not value:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, (str, list)) for x in value):
+            raise ValueError("batched prompts are not supported; send one request per prompt")
+        if any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in value):
+            raise ValueError("prompt token ids must be non-negative integers")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported; omit it or send false")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError("best_of other than 1 is not supported; omit it")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported; omit it")
+        return value
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+RequestT = TypeVar("RequestT", bound=_SamplingRequest)
+
+
+def parse_request(model_cls: type[RequestT], body: bytes | str) -> RequestT:
+    """Validate a raw JSON body; raises pydantic's ValidationError (400 via http_errors)."""
+    return model_cls.model_validate_json(body)
+
+
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
+                       default_max_tokens: int) -> SamplingParams:
+    """The engine's sampling parameters for a validated request.
+
+    ``default_max_tokens`` applies when the client gave no limit (the ingress passes what the
+    model's length leaves after the prompt); the model-limit check itself happens there.
+    """
+    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    return SamplingParams(
+        max_tokens=req.requested_max_tokens() or default_max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=top_k,
+        seed=req.seed,
+        stop=tuple(req.stop or ()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        logprobs=req.requested_logprobs(),
+    )

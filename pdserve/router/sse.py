@@ -1,0 +1,120 @@
+"""Server-sent-event framing of OpenAI streams: ``data: {json}\\n\\n`` chunks, then ``[DONE]``.
+
+A stream is: first chunk, text chunks, a finish chunk, the usage chunk if asked, ``[DONE]``.
+A failure mid-stream sends `error_event` (an OpenAI error body; clients raise on it), then
+``[DONE]``; the HTTP status is already 200 by then, so the body carries the error.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from pdserve.router.http_errors import openai_error
+from pdserve.router.protocol_responses import (
+    ChatCompletionChunk,
+    ChatCompletionChunkChoice,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    DeltaMessage,
+    FinishReason,
+    Usage,
+)
+
+DONE_EVENT = "data: [DONE]\n\n"
+SSE_MEDIA_TYPE = "text/event-stream"
+
+
+def sse_event(payload: BaseModel | dict[str, Any]) -> str:
+    """One ``data:`` event; compact JSON keeps non-ASCII text as is (UTF-8 on the wire)."""
+    data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_event(exc: BaseException) -> str:
+    """The event that reports a failure after the stream started."""
+    return sse_event(openai_error(exc).body)
+
+
+def split_sse_data(text: str) -> list[str]:
+    """The ``data:`` payloads of a whole SSE body, in order (for clients and tests)."""
+    payloads = []
+    for event in text.split("\n\n"):
+        lines = [line[len("data:"):].removeprefix(" ")
+                 for line in event.split("\n") if line.startswith("data:")]
+        if lines:
+            payloads.append("\n".join(lines))
+    return payloads
+
+
+@dataclass(frozen=True)
+class ChatStreamFormatter:
+    """Chunks of one streamed chat completion (``chat.completion.chunk`` objects)."""
+
+    request_id: str
+    model: str
+    created: int
+    include_usage: bool = False
+
+    def _event(self, delta: DeltaMessage, finish_reason: FinishReason | None = None,
+               logprobs: ChoiceLogprobs | None = None) -> str:
+        chunk = ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model,
+            choices=[ChatCompletionChunkChoice(delta=delta, logprobs=logprobs,
+                                               finish_reason=finish_reason)])
+        data = chunk.model_dump(mode="json")
+        # Deltas carry only what changed; OpenAI sends `usage: null` only when usage was asked.
+        data["choices"][0]["delta"] = {k: v for k, v in data["choices"][0]["delta"].items()
+                                       if v is not None}
+        if not self.include_usage:
+            del data["usage"]
+        return sse_event(data)
+
+    def first(self) -> str:
+        """The opening chunk: the assistant role, empty content."""
+        return self._event(DeltaMessage(role="assistant", content=""))
+
+    def delta(self, text: str, logprobs: ChoiceLogprobs | None = None) -> str:
+        return self._event(DeltaMessage(content=text), logprobs=logprobs)
+
+    def finish(self, finish_reason: FinishReason, usage: Usage) -> str:
+        """The finish chunk, the usage chunk when asked for, and ``[DONE]``."""
+        events = self._event(DeltaMessage(), finish_reason=finish_reason)
+        if self.include_usage:
+            chunk = ChatCompletionChunk(id=self.request_id, created=self.created,
+                                        model=self.model, choices=[], usage=usage)
+            events += sse_event(chunk)
+        return events + DONE_EVENT
+
+
+@dataclass(frozen=True)
+class CompletionStreamFormatter:
+    """Chunks of one streamed text completion (``text_completion`` objects)."""
+
+    request_id: str
+    model: str
+    created: int
+    include_usage: bool = False
+
+    def _event(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        chunk = CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                   choices=choices, usage=usage)
+        data = chunk.model_dump(mode="json")
+        if not self.include_usage:
+            del data["usage"]
+        return sse_event(data)
+
+    def delta(self, text: str, logprobs: CompletionLogprobs | None = None) -> str:
+        return self._event([CompletionChoice(text=text, logprobs=logprobs)])
+
+    def finish(self, finish_reason: FinishReason, usage: Usage) -> str:
+        """The finish chunk, the usage chunk when asked for, and ``[DONE]``."""
+        events = self._event([CompletionChoice(text="", finish_reason=finish_reason)])
+        if self.include_usage:
+            events += self._event([], usage=usage)
+        return events + DONE_EVENT

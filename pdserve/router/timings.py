@@ -1,0 +1,96 @@
+"""Per-request stage timings: one immutable record per request, logged as one JSON line.
+
+Stages fill it in as they finish (`with_`); `PdserveMetrics.observe` exports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+RequestPath = Literal["disaggregated", "local_prefill", "colocated", "recompute_fallback"]
+RequestStatus = Literal["ok", "error", "cancelled", "timeout", "rejected"]
+
+REQUEST_PATHS: frozenset[str] = frozenset(
+    ("disaggregated", "local_prefill", "colocated", "recompute_fallback"))
+REQUEST_STATUSES: frozenset[str] = frozenset(("ok", "error", "cancelled", "timeout", "rejected"))
+LOG_EVENT = "pdserve.request"
+
+
+def time_per_output_token_ms(first_token_s: float, last_token_s: float,
+                             num_output_tokens: int) -> float | None:
+    """Mean gap between output tokens after the first (None with fewer than two tokens)."""
+    if num_output_tokens < 2:
+        return None
+    return (last_token_s - first_token_s) * 1000.0 / (num_output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """What one request cost, stage by stage. Durations in ms; None: stage did not run.
+
+    ``path``: ``disaggregated`` (prefill worker + KV handoff), ``local_prefill`` (short
+    prompt prefilled on the decode worker), ``colocated`` (colocated mode), or
+    ``recompute_fallback`` (handoff failed, decode recomputed the prompt); None when the
+    request ended before a path was chosen (e.g. rejected). ``handoff_exposed_ms`` is the part
+    of the handoff that ran after prefill compute ended, i.e. what overlap did not hide.
+    """
+
+    request_id: str
+    path: RequestPath | None = None
+    status: RequestStatus = "ok"
+    finish_reason: str | None = None
+    fallback_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    # None: every prompt token not served by the prefix cache was computed once.
+    prefill_tokens_computed: int | None = None
+    tokenize_ms: float | None = None
+    decode_reserve_ms: float | None = None
+    prefill_queue_ms: float | None = None
+    prefill_compute_ms: float | None = None
+    handoff_bytes: int | None = None
+    handoff_ms: float | None = None
+    handoff_exposed_ms: float | None = None
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2e_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.path is not None and self.path not in REQUEST_PATHS:
+            raise ValueError(f"path must be one of {sorted(REQUEST_PATHS)} or None, "
+                             f"got {self.path!r}")
+        if self.status not in REQUEST_STATUSES:
+            raise ValueError(f"status must be one of {sorted(REQUEST_STATUSES)}, "
+                             f"got {self.status!r}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if not math.isfinite(value) or value < 0:
+                    raise ValueError(f"{f.name} must be a finite number >= 0, got {value}")
+        if self.prefix_hit_tokens > self.num_prompt_tokens:
+            raise ValueError(f"prefix_hit_tokens ({self.prefix_hit_tokens}) exceeds "
+                             f"num_prompt_tokens ({self.num_prompt_tokens})")
+
+    def with_(self, **changes: Any) -> RequestTimings:
+        """A copy with some stages filled in (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_prefill_tokens_computed(self) -> int:
+        if self.prefill_tokens_computed is not None:
+            return self.prefill_tokens_computed
+        return self.num_prompt_tokens - self.prefix_hit_tokens
+
+    def to_log_line(self) -> str:
+        """One JSON object on one line; every field present (null when not measured)."""
+        record: dict[str, Any] = {"event": LOG_EVENT}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            record[f.name] = round(value, 3) if isinstance(value, float) else value
+        record["prefill_tokens_computed"] = self.num_prefill_tokens_computed
+        return json.dumps(record, separators=(",", ":"))
