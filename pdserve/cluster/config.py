@@ -232,9 +232,10 @@ def _band_problems(cfg: PdserveConfig, plan: ReplicaPlan) -> Iterator[tuple[str,
 def default_config_path() -> Path:
     """Where `load_config(None)` reads from.
 
-    First ``pdserve/configs/local.yaml`` inside the installed package (package data, for
-    non-editable installs), else the repository's ``configs/local.yaml`` (editable installs
-    and checkouts: the canonical copy).
+    The canonical file is the repository's ``configs/local.yaml``. ``pdserve/configs/local.yaml``
+    is a symlink to it that setuptools copies into wheels as package data, so installed
+    packages carry the default too. The package path is tried first; the repository path is
+    the fallback for checkouts whose symlink was lost (e.g. copied without links).
     """
     packaged = importlib.resources.files("pdserve") / "configs" / DEFAULT_CONFIG_NAME
     if packaged.is_file():
