@@ -1,0 +1,36 @@
+"""Shared test fixtures: tiny random-weight checkpoints generated once per session, offline.
+
+Sets the Hugging Face libraries offline before any test imports them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Paths of tiny checkpoints (≈0.3 s in all), by name:
+
+    - ``llama``: Llama with llama3 rope scaling, untied embeddings, one model.safetensors
+    - ``qwen2``: Qwen2 (q/k/v biases), plain RoPE, untied embeddings
+    - ``qwen2_tied``: Qwen2 with tied embeddings (lm_head = embed_tokens)
+    - ``llama_sharded``: the same weights as ``llama``, written as 3 shards + index
+    """
+    from pdserve.engine.checkpoint_maker import make_checkpoint
+
+    root: Path = tmp_path_factory.mktemp("tiny_checkpoints")
+    paths = {
+        "llama": make_checkpoint(root / "llama", "llama", "tiny", seed=0),
+        "qwen2": make_checkpoint(root / "qwen2", "qwen2", "tiny", seed=0),
+        "qwen2_tied": make_checkpoint(root / "qwen2_tied", "qwen2", "tiny", seed=1, tie_word_embeddings=True),
+        "llama_sharded": make_checkpoint(root / "llama_sharded", "llama", "tiny", seed=0, num_shards=3),
+    }
+    return {name: str(path) for name, path in paths.items()}

@@ -1,0 +1,225 @@
+"""Logits of pdserve's paged CausalLM equal transformers' full forward on the same checkpoints.
+
+Covers whole prompts in one step, chunked prompts then decode steps through shuffled blocks, the
+layer hook's timing, and the GPU flash-attn backend against the torch backend (GPU only).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend
+from pdserve.engine.checkpoint import load_model
+from pdserve.engine.models import CausalLM
+
+LENGTHS = [1, 7, 33, 100]
+TOLERANCE = 1e-4
+FAMILIES = ["llama", "qwen2", "qwen2_tied"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoints: dict[str, str], family: str) -> tuple[CausalLM, torch.nn.Module]:
+    from transformers import AutoModelForCausalLM
+
+    ours, _ = load_model(tiny_checkpoints[family], torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[family], dtype=torch.float32).eval()
+    return ours, reference  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def prompts(models: tuple[CausalLM, torch.nn.Module]) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    vocab = models[0].config.vocab_size
+    return [torch.randint(0, vocab, (n,), generator=generator) for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference_logits(models: tuple[CausalLM, torch.nn.Module], prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        return [models[1](p[None]).logits[0].float() for p in prompts]
+
+
+def garbage_cache(model: CausalLM, num_blocks: int, block_size: int) -> torch.Tensor:
+    """Large finite noise: reading any slot that was not written would swamp the attention."""
+    c = model.config
+    shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 100
+
+
+def shuffled_block_tables(lengths: list[int], block_size: int, seed: int) -> tuple[list[list[int]], int]:
+    """Non-contiguous, shuffled block ids for each sequence, from a pool with spare blocks."""
+    needed = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(needed) + 7
+    ids = list(range(num_blocks))
+    random.Random(seed).shuffle(ids)
+    tables, start = [], 0
+    for n in needed:
+        tables.append(ids[start : start + n])
+        start += n
+    return tables, num_blocks
+
+
+def run_step(
+    model: CausalLM,
+    cache: torch.Tensor,
+    prompts: list[torch.Tensor],
+    spans: list[tuple[int, int, int]],
+    tables: list[list[int]],
+    block_size: int,
+) -> list[torch.Tensor]:
+    """One forward over spans (seq index, start, stop); returns each span's logits."""
+    metadata = AttentionMetadata.build(
+        query_lens=[stop - start for _, start, stop in spans],
+        seq_lens=[stop for _, _, stop in spans],
+        block_tables=[tables[s][: -(-stop // block_size)] for s, _, stop in spans],
+        block_size=block_size,
+        device=prompts[0].device,
+    )
+    device = prompts[0].device
+    input_ids = torch.cat([prompts[s][start:stop] for s, start, stop in spans])
+    positions = torch.cat([torch.arange(start, stop, device=device) for _, start, stop in spans])
+    logits = model.compute_logits(model(input_ids, positions, cache, metadata))
+    return list(logits.split([stop - start for _, start, stop in spans]))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_whole_prompts_in_one_step(models, prompts, reference_logits, block_size: int) -> None:
+    model = models[0]
+    tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=block_size)
+    cache = garbage_cache(model, num_blocks, block_size)
+    spans = [(s, 0, n) for s, n in enumerate(LENGTHS)]
+    for (s, _, _), logits in zip(spans, run_step(model, cache, prompts, spans, tables, block_size)):
+        diff = (logits - reference_logits[s]).abs().max().item()
+        assert diff <= TOLERANCE, f"sequence of {LENGTHS[s]} tokens: max |logit diff| {diff:.2e}"
+
+
+def chunk_schedule(length: int, block_size: int, num_decode: int = 3) -> list[int]:
+    """Chunk sizes: a prefix that ends mid-block, the rest of the prompt, then single tokens."""
+    if length <= num_decode + 1:
+        return [1] * length
+    first = max(1, (length - num_decode) // 2)
+    if first % block_size == 0:
+        first += 1  # make the first chunk end inside a block
+    rest = length - num_decode - first
+    return [first] + ([rest] if rest else []) + [1] * num_decode
+
+
+def run_schedule(
+    model: CausalLM, cache: torch.Tensor, prompts: list[torch.Tensor], tables: list[list[int]], block_size: int
+) -> tuple[list[torch.Tensor], bool]:
+    """Feed every prompt by `chunk_schedule`, all sequences stepping together.
+
+    Returns each sequence's logits for all its positions, and whether some step mixed
+    single-token rows with multi-token chunks.
+    """
+    schedules = [chunk_schedule(len(p), block_size) for p in prompts]
+    done = [0] * len(prompts)
+    collected: list[list[torch.Tensor]] = [[] for _ in prompts]
+    saw_mixed_batch = False
+    for step in range(max(len(s) for s in schedules)):
+        spans = [(s, done[s], done[s] + sched[step]) for s, sched in enumerate(schedules) if step < len(sched)]
+        sizes = {stop - start for _, start, stop in spans}
+        saw_mixed_batch |= 1 in sizes and len(sizes) > 1
+        for (s, _, stop), logits in zip(spans, run_step(model, cache, prompts, spans, tables, block_size)):
+            collected[s].append(logits)
+            done[s] = stop
+    return [torch.cat(pieces) for pieces in collected], saw_mixed_batch
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_chunked_prefill_then_decode(models, prompts, reference_logits, block_size: int) -> None:
+    model = models[0]
+    tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=100 + block_size)
+    cache = garbage_cache(model, num_blocks, block_size)
+    logits, saw_mixed_batch = run_schedule(model, cache, prompts, tables, block_size)
+    assert saw_mixed_batch, "the schedule should mix decode rows and prefill chunks in one step"
+    for s, seq_logits in enumerate(logits):
+        diff = (seq_logits - reference_logits[s]).abs().max().item()
+        assert diff <= TOLERANCE, f"sequence of {LENGTHS[s]} tokens: max |logit diff| {diff:.2e}"
+
+
+def test_decode_batch_matches_one_by_one(models, prompts) -> None:
+    """The vectorised decode path gives each sequence what it gets alone."""
+    model, block_size = models[0], 4
+    tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=5)
+    cache = garbage_cache(model, num_blocks, block_size)
+    prefix = [(s, 0, n - 1) for s, n in enumerate(LENGTHS) if n > 1]
+    run_step(model, cache, prompts, prefix, tables, block_size)
+    batched = run_step(model, cache, prompts, [(s, n - 1, n) for s, n in enumerate(LENGTHS)], tables, block_size)
+    for s, n in enumerate(LENGTHS):
+        alone = run_step(model, cache, prompts, [(s, n - 1, n)], tables, block_size)[0]
+        assert torch.allclose(batched[s], alone, atol=TOLERANCE, rtol=0)
+
+
+def test_layer_hook_fires_after_each_layers_kv_write(models, prompts) -> None:
+    model, block_size = models[0], 16
+    lengths = [33, 7]
+    tables, num_blocks = shuffled_block_tables(lengths, block_size, seed=9)
+    c = model.config
+    cache = torch.zeros(c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
+    metadata = AttentionMetadata.build(lengths, lengths, tables, block_size, "cpu")
+    flat = cache.view(c.num_layers, 2, num_blocks * block_size, c.num_kv_heads, c.head_dim)
+    fired: list[int] = []
+
+    def hook(layer: int) -> None:
+        written = flat[layer][:, metadata.slot_mapping]
+        assert bool((written != 0).any(dim=(2, 3)).all()), f"layer {layer}: K/V not written when the hook fired"
+        if layer + 1 < c.num_layers:
+            assert bool((flat[layer + 1] == 0).all()), f"layer {layer + 1} written before hook({layer})"
+        fired.append(layer)
+
+    input_ids = torch.cat([prompts[2][:33], prompts[1][:7]])
+    positions = torch.cat([torch.arange(33), torch.arange(7)])
+    model(input_ids, positions, cache, metadata, layer_hook=hook)
+    assert fired == list(range(c.num_layers))
+
+
+def test_metadata_build_slots_and_offsets() -> None:
+    metadata = AttentionMetadata.build([2, 1], [5, 3], [[7, 2], [4]], block_size=4, device="cpu")
+    # Sequence 0 writes positions 3, 4 -> block 7 offset 3, block 2 offset 0; sequence 1 position 2.
+    assert metadata.slot_mapping.tolist() == [7 * 4 + 3, 2 * 4 + 0, 4 * 4 + 2]
+    assert metadata.query_start_loc.tolist() == [0, 2, 3]
+    assert metadata.seq_lens_tensor.tolist() == [5, 3]
+    assert metadata.block_tables.dtype == torch.int32 and metadata.block_tables.shape == (2, 2)
+    assert (metadata.max_query_len, metadata.max_seq_len) == (2, 5)
+    with pytest.raises(ValueError, match="cannot hold"):
+        AttentionMetadata.build([1], [5], [[0]], block_size=4, device="cpu")
+
+
+def _flash_available() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _flash_available(), reason="needs a CUDA GPU with flash-attn installed")
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_flash_backend_matches_torch_backend(tiny_checkpoints: dict[str, str], block_size: int) -> None:
+    from pdserve.engine.attention.flash_backend import FlashAttentionBackend
+
+    model, config = load_model(tiny_checkpoints["llama"], torch.bfloat16, "cuda")
+    assert isinstance(model.attention_backend, FlashAttentionBackend)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).cuda() for n in LENGTHS]
+    tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=2)
+    results = []
+    for backend in (FlashAttentionBackend(), TorchAttentionBackend()):
+        model.attention_backend = backend
+        cache = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
+                            config.head_dim, dtype=torch.bfloat16, device="cuda")
+        logits, _ = run_schedule(model, cache, prompts, tables, block_size)
+        results.append(torch.cat(logits))
+    # bf16 kernels differ in summation order; require close logits and (nearly) equal argmax.
+    assert (results[0] - results[1]).abs().max().item() < 0.5
+    assert (results[0].argmax(-1) == results[1].argmax(-1)).float().mean().item() > 0.98
