@@ -9,6 +9,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams
 from pdserve.router.protocol_responses import (
     AssistantMessage,
@@ -38,10 +39,12 @@ __all__ = [
     "CompletionChoice", "CompletionLogprobs", "CompletionRequest", "CompletionResponse",
     "DeltaMessage", "FinishReason", "ModelCard", "ModelList", "PromptTokensDetails",
     "StreamOptions", "TextContentPart", "TokenLogprob", "TopLogprob", "Usage", "new_request_id",
-    "parse_request", "to_sampling_params", "unix_time",
+    "parse_request", "resolve_max_tokens", "to_sampling_params", "unix_time",
 ]
 
 MAX_STOP_SEQUENCES = 4
+# OpenAI's default for legacy completions without max_tokens; chat defaults to all room left.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Legacy completions allow at most 5 alternatives per token.
 MAX_COMPLETION_LOGPROBS = 5
 
@@ -250,6 +253,31 @@ RequestT = TypeVar("RequestT", bound=_SamplingRequest)
 def parse_request(model_cls: type[RequestT], body: bytes | str) -> RequestT:
     """Validate a raw JSON body; raises pydantic's ValidationError (400 via http_errors)."""
     return model_cls.model_validate_json(body)
+
+
+def resolve_max_tokens(req: ChatCompletionRequest | CompletionRequest, num_prompt_tokens: int,
+                       max_model_len: int) -> int:
+    """How many tokens the request may generate, checked against the model's length.
+
+    Without a client limit: chat gets all the room the prompt leaves, completions get
+    OpenAI's default of 16 (capped by that room). Raises PromptTooLongError when the prompt
+    leaves no room, InvalidRequestError when the requested limit does not fit.
+    """
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise PromptTooLongError(num_prompt_tokens, max_model_len,
+                                 "(at least one output token must fit); shorten the prompt")
+    requested = req.requested_max_tokens()
+    if requested is None:
+        return room if isinstance(req, ChatCompletionRequest) else min(
+            DEFAULT_COMPLETION_MAX_TOKENS, room)
+    if requested > room:
+        name = ("max_completion_tokens" if isinstance(req, ChatCompletionRequest)
+                and req.max_completion_tokens is not None else "max_tokens")
+        raise InvalidRequestError(
+            f"{name}={requested} plus the prompt's {num_prompt_tokens} tokens exceeds the "
+            f"model's maximum length of {max_model_len} tokens; set {name} to at most {room}")
+    return requested
 
 
 def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,

@@ -20,6 +20,7 @@ from pdserve.router.protocol import (
     Usage,
     new_request_id,
     parse_request,
+    resolve_max_tokens,
     to_sampling_params,
 )
 
@@ -176,3 +177,25 @@ def test_response_helpers() -> None:
     listing = ModelList(data=[ModelCard(id="m", created=1, max_model_len=2048)])
     assert listing.model_dump()["data"][0] == {"id": "m", "object": "model", "created": 1,
                                                "owned_by": "pdserve", "max_model_len": 2048}
+
+
+def test_resolve_max_tokens_against_the_model_length() -> None:
+    chat_req = parse_request(ChatCompletionRequest, json.dumps(chat()))
+    assert resolve_max_tokens(chat_req, num_prompt_tokens=100, max_model_len=128) == 28
+    completion = parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": "x"}))
+    assert resolve_max_tokens(completion, 100, 128) == 16
+    assert resolve_max_tokens(completion, 120, 128) == 8
+    limited = parse_request(ChatCompletionRequest, json.dumps(chat(max_completion_tokens=28)))
+    assert resolve_max_tokens(limited, 100, 128) == 28
+
+
+def test_resolve_max_tokens_refusals_say_both_numbers() -> None:
+    from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
+    req = parse_request(ChatCompletionRequest, json.dumps(chat(max_tokens=29)))
+    with pytest.raises(InvalidRequestError, match=r"max_tokens=29 plus the prompt's 100 tokens "
+                       r"exceeds the model's maximum length of 128 tokens; set max_tokens to "
+                       r"at most 28"):
+        resolve_max_tokens(req, 100, 128)
+    with pytest.raises(PromptTooLongError, match=r"prompt has 128 tokens but the model's maximum "
+                       r"length is 128 tokens"):
+        resolve_max_tokens(req, 128, 128)
