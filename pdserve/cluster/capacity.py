@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Literal
 
-Role = Literal["prefill", "decode"]
+RoleName = Literal["prefill", "decode"]
 DividedResource = Literal["CPU", "GPU"]
 
 _RATIO_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*:\s*(-?\d+(?:\.\d+)?)\s*$")
@@ -298,7 +298,7 @@ def check_ratio_band(prefill_replicas: int, decode_replicas: int, band: RatioBan
     return band.low <= Fraction(prefill_replicas, decode_replicas) <= band.high
 
 
-def clamp_to_band(role: Role, proposed: int, prefill_replicas: int, decode_replicas: int,
+def clamp_to_band(role: RoleName, proposed: int, prefill_replicas: int, decode_replicas: int,
                   band: RatioBand, min_replicas: int, max_replicas: int) -> int:
     """The replica count for ``role`` nearest to ``proposed`` that keeps the band with the other
     role at its current count and stays within [min_replicas, max_replicas].
