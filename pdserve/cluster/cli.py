@@ -1,0 +1,92 @@
+"""The `pdserve` command line: make-model, generate, serve.
+
+Each subcommand is a thin shell over a function that tests can call directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _add_make_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-model", help="write a random-weight HF checkpoint (offline)")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="one-shot chat generation in this process")
+    p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    p.add_argument("--prompt", default="Hello! Who are you?")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="float32")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start the cluster from a YAML config")
+    p.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/local.yaml)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_make_model(sub)
+    _add_generate(sub)
+    _add_serve(sub)
+    return parser
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    from pdserve.engine.checkpoint_maker import make_checkpoint
+
+    start = time.perf_counter()
+    path = make_checkpoint(args.out_dir, family=args.family, size=args.size, seed=args.seed,
+                           dtype=args.dtype)
+    print(f"wrote {args.family}/{args.size} checkpoint to {path} in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.engine_config import EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model_path=str(args.model), dtype=args.dtype, num_kv_blocks=256))
+    prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    ids = engine.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    start = time.perf_counter()
+    [out] = engine.generate([ids], params)
+    elapsed = time.perf_counter() - start
+    print(engine.tokenizer.decode(out))
+    print(f"[{len(ids)} prompt tokens, {len(out)} output tokens, {elapsed:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pdserve.cluster.serve_command import serve
+
+    return serve(args.config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers = {"make-model": run_make_model, "generate": run_generate, "serve": run_serve}
+    return handlers[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

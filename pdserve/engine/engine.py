@@ -1,0 +1,307 @@
+"""The engine loop: requests in, one batched forward pass per step, tokens and text out.
+
+Used whole in one process (colocated), and by both disaggregated roles through their modes.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.kv_cache import allocate_kv_cache
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_layout import NAME_BY_DTYPE, KVLayout
+from pdserve.engine.loaded_model import LoadedModel
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.request import Request, RequestMode, RequestStatus
+from pdserve.engine.sampler import make_generator
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.engine.stop_strings import TextStream
+
+logger = logging.getLogger(__name__)
+
+LayerHook = Callable[[int, SchedulerOutput], None]
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What a step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    logprobs: list[object] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_tokens_computed: int = 0  # every token that went through the model
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class _Tracked:
+    """Per-request engine-side state the scheduler does not own."""
+
+    stream: TextStream
+    generator: torch.Generator | None
+    base_seed: int = 0
+    num_reported: int = 0
+
+
+class LLMEngine:
+    """Owns a model, its paged KV cache, a scheduler and a runner.
+
+    Not thread-safe: one thread calls `add_request`/`step`/`abort` (workers serialize calls).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        device = config.resolve_device()
+        if loaded is None:
+            loaded = LoadedModel.load(config.model_path, config.torch_dtype, device, progress=True)
+        self.loaded = loaded
+        self.device = loaded.device
+        self.tokenizer = loaded.tokenizer
+        mc = loaded.config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        self.layout = KVLayout(
+            model_fingerprint=loaded.fingerprint,
+            dtype=NAME_BY_DTYPE[loaded.dtype],
+            block_size=config.block_size,
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+        )
+        num_blocks = config.num_kv_blocks or max(
+            1, int(config.kv_cache_memory_gb * 2**30) // (self.layout.block_bytes * mc.num_layers)
+        )
+        self.kv_cache = allocate_kv_cache(self.layout, num_blocks, self.device)
+        self.kv_manager = KVCacheManager(
+            num_blocks, config.block_size, loaded.fingerprint, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+            ),
+            self.kv_manager,
+        )
+        self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
+        self.stats = EngineStats()
+        self._tracked: dict[str, _Tracked] = {}
+
+    # ---- requests in -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        mode: RequestMode = RequestMode.FULL,
+        resume_output_ids: Sequence[int] = (),
+    ) -> Request:
+        """Queue a request. `resume_output_ids` are output tokens already shown to the client
+        (a recompute after a failed handoff): they are recomputed, not generated again."""
+        request = self._make_request(request_id, prompt_token_ids, sampling_params, mode)
+        request.output_token_ids.extend(resume_output_ids)
+        self.scheduler.add_request(request)
+        tracked = self._track(request)
+        for token_id in resume_output_ids:
+            tracked.stream.add(token_id)
+        tracked.num_reported = len(resume_output_ids)
+        return request
+
+    def reserve_for_received_kv(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams
+    ) -> list[int] | None:
+        """Decode role: hold blocks for a prompt whose KV will arrive from a prefill worker.
+
+        Returns the block ids the KV must be written into, or None when they do not fit now.
+        """
+        request = self._make_request(
+            request_id, prompt_token_ids, sampling_params, RequestMode.FROM_RECEIVED_KV
+        )
+        block_ids = self.scheduler.reserve_for_received_kv(request)
+        if block_ids is not None:
+            self._track(request)
+        return block_ids
+
+    def activate_received(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """Decode role: the KV arrived and its fence verified; join the batch.
+
+        The first token was already shown to the client by the prefill side, so its text is
+        absorbed here (it still seeds detokenization and stop-string search).
+        """
+        self.scheduler.activate_received(request_id, first_token_id)
+        request = self.scheduler.get_request(request_id)
+        tracked = self._tracked[request_id]
+        tracked.stream.add(first_token_id)
+        tracked.num_reported = 1
+        assert request is not None
+        if request.status.is_finished:
+            return self._finish_output(request, tracked, [first_token_id], "")
+        return self._output(request, [first_token_id], "", finished=False)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request however far it got and free its blocks (no-op if unknown)."""
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.release(request_id)
+        self._tracked.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: the handoff is done with a PREFILLED request's blocks."""
+        self.scheduler.release(request_id)
+        self._tracked.pop(request_id, None)
+
+    # ---- the loop ------------------------------------------------------------------------
+    def step(self, layer_hook: LayerHook | None = None) -> list[RequestOutput]:
+        output = self.scheduler.schedule()
+        if not output.chunks:
+            return []
+        hook = None if layer_hook is None else (lambda layer: layer_hook(layer, output))
+        self._seed_samplers(output)
+        result = self.runner.execute(
+            output,
+            self.kv_manager.block_ids,
+            {rid: t.generator for rid, t in self._tracked.items()},
+            hook,
+        )
+        self.stats.num_steps += 1
+        self.stats.num_tokens_computed += result.num_tokens_computed
+        self.stats.num_preemptions += len(output.preempted_request_ids)
+        changed = self.scheduler.update_from_output(output, result.sampled_token_ids)
+        outputs = [self._process(request, result.logprobs.get(request.request_id))
+                   for request in changed]
+        return [o for o in outputs if o is not None]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion together; return each one's output token ids."""
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        ids = [f"generate-{self.stats.num_steps}-{i}" for i in range(len(prompts))]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            self.add_request(rid, prompt, p)
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    pending.discard(out.request_id)
+        return [tokens[rid] for rid in ids]
+
+    # ---- internals -----------------------------------------------------------------------
+    def _seed_samplers(self, output: SchedulerOutput) -> None:
+        """Key each random draw to (seed, output index), not to a generator's history, so the
+        prefill worker's first token and the decode worker's later ones (or a recompute after
+        a failed handoff) come out exactly as one engine alone would draw them."""
+        for chunk in output.chunks:
+            tracked = self._tracked.get(chunk.request.request_id)
+            if chunk.samples and tracked is not None and tracked.generator is not None:
+                index = len(chunk.request.output_token_ids)
+                tracked.generator.manual_seed((tracked.base_seed * 1_000_003 + index) % 2**63)
+
+    def _make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        mode: RequestMode,
+    ) -> Request:
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        vocab = self.loaded.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        return Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            mode=mode,
+        )
+
+    def _track(self, request: Request) -> _Tracked:
+        params = request.sampling_params
+        base_seed = params.seed if params.seed is not None else random.getrandbits(63)
+        tracked = _Tracked(
+            stream=TextStream.create(self.tokenizer, params.stop),
+            generator=None if params.is_greedy else make_generator(base_seed, self.device),
+            base_seed=base_seed,
+        )
+        self._tracked[request.request_id] = tracked
+        return tracked
+
+    def _process(self, request: Request, logprobs: object | None) -> RequestOutput | None:
+        tracked = self._tracked.get(request.request_id)
+        if tracked is None:
+            return None
+        new_ids = request.output_token_ids[tracked.num_reported:]
+        tracked.num_reported = len(request.output_token_ids)
+        self.stats.num_generated_tokens += len(new_ids)
+        text = "".join(tracked.stream.add(t) for t in new_ids)
+        if tracked.stream.stopped and not request.status.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        lp = [logprobs] if logprobs is not None else []
+        if request.status.is_finished or request.status is RequestStatus.PREFILLED:
+            return self._finish_output(request, tracked, new_ids, text, lp)
+        return self._output(request, new_ids, text, finished=False, logprobs=lp)
+
+    def _finish_output(
+        self, request: Request, tracked: _Tracked, new_ids: list[int], text: str,
+        logprobs: list[object] | None = None,
+    ) -> RequestOutput:
+        text += tracked.stream.flush()
+        if request.status is not RequestStatus.PREFILLED:
+            self._tracked.pop(request.request_id, None)
+        return self._output(request, new_ids, text, finished=True, logprobs=logprobs or [])
+
+    def _output(
+        self, request: Request, new_ids: list[int], text: str, finished: bool,
+        logprobs: list[object] | None = None,
+    ) -> RequestOutput:
+        if request.status is RequestStatus.PREFILLED:
+            reason: str | None = "prefilled"
+        else:
+            reason = request.finish_reason if finished else None
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=list(new_ids),
+            new_text=text,
+            finished=finished,
+            finish_reason=reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=len(request.output_token_ids),
+            logprobs=logprobs or [],
+        )

@@ -1,0 +1,40 @@
+"""A model with everything that travels with it: config, tokenizer, fingerprint.
+
+Loaded once per process; several engines (tests, benchmarks) may share one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pdserve.engine.checkpoint import load_model, model_fingerprint
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    fingerprint: str
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def load(
+        cls, path: str, dtype: torch.dtype, device: torch.device, progress: bool = False
+    ) -> LoadedModel:
+        model, config = load_model(path, dtype, device, progress=progress)
+        model.eval()
+        return cls(
+            model=model,
+            config=config,
+            tokenizer=Tokenizer.from_checkpoint(path),
+            fingerprint=model_fingerprint(path, dtype),
+            dtype=dtype,
+            device=device,
+        )
