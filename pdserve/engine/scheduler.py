@@ -1,0 +1,389 @@
+"""Continuous-batching scheduler: which requests compute how many tokens each step.
+
+No prefill/decode phases: every step hands out a token budget and each request catches up
+toward its length. Also holds the two disaggregation roles' extra states.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+from collections import deque
+
+from pdserve.engine.errors import InvalidRequestError, OutOfKVBlocksError, PromptTooLongError
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestMode, RequestStatus
+from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerConfig, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "stop_status"]
+
+
+def stop_status(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """The finished status that ``token_id`` (just appended) puts the request in, if any.
+
+    A stop token wins over a length limit reached by the same token ("stop", not "length").
+    """
+    params = request.sampling_params
+    if token_id in params.stop_token_ids or (
+        not params.ignore_eos and token_id in request.eos_token_ids
+    ):
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+class Scheduler:
+    """Owns every live request's state; the model runner only executes its plans.
+
+    Lifecycle: WAITING -> RUNNING -> FINISHED_*; preemption (by recompute) sends RUNNING
+    back to the front of WAITING. Prefill role: RUNNING -> PREFILLED (blocks pinned) ->
+    `release`. Decode role: `reserve_for_received_kv` (AWAITING_KV) -> `activate_received`
+    -> RUNNING. PREFILLED and AWAITING_KV requests are never scheduled or preempted; their
+    blocks stay put until `release`/`activate_received`/`finish_request`, so the handoff
+    may read or write them meanwhile. Finished requests are forgotten.
+
+    Batch seats (``max_num_seqs``) are held by RUNNING and AWAITING_KV requests, so an
+    activation never overfills the batch.
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self._requests: dict[str, Request] = {}  # every live request, any status
+        self._waiting: deque[Request] = deque()  # FCFS; preempted ones re-enter at the front
+        self._running: list[Request] = []  # oldest first; the youngest is preempted first
+        self._num_awaiting_kv = 0
+        self._order: dict[str, tuple[float, int]] = {}  # (arrival_time, registration number)
+        self._registrations = itertools.count()
+        self.num_preemptions_total = 0  # cumulative, for metrics
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_awaiting_kv(self) -> int:
+        return self._num_awaiting_kv
+
+    @property
+    def num_prefilled(self) -> int:
+        return len(self._requests) - len(self._waiting) - len(self._running) - self._num_awaiting_kv
+
+    @property
+    def has_unfinished_requests(self) -> bool:
+        """Any live request at all, pinned (PREFILLED) and AWAITING_KV ones included."""
+        return bool(self._requests)
+
+    @property
+    def has_schedulable_requests(self) -> bool:
+        """Whether `schedule` can have work: some request is WAITING or RUNNING."""
+        return bool(self._waiting or self._running)
+
+    # ---- admission -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a FULL or PREFILL_ONLY request; raises if it is invalid or can never fit."""
+        if request.mode is RequestMode.FROM_RECEIVED_KV:
+            raise InvalidRequestError(
+                f"request {request.request_id} expects received KV: use reserve_for_received_kv"
+            )
+        self._validate_new(request)
+        self._register(request)
+        self._waiting.append(request)
+
+    def reserve_for_received_kv(self, request: Request) -> list[int] | None:
+        """Decode role: own blocks for the whole prompt now, to be filled by the handoff.
+
+        Returns the block ids (position order) and marks the request AWAITING_KV, or returns
+        None if there is no room right now (no free batch seat or not enough free blocks);
+        nothing changed then and the caller may retry later or choose another worker.
+        Raises like `add_request` for a request that is invalid or can never fit.
+        """
+        if request.mode is not RequestMode.FROM_RECEIVED_KV:
+            raise InvalidRequestError(
+                f"request {request.request_id} has mode {request.mode.name}; only "
+                "FROM_RECEIVED_KV requests reserve blocks for received KV"
+            )
+        self._validate_new(request)
+        if self._num_seated >= self.config.max_num_seqs:
+            return None
+        block_ids = self.kv.allocate_slots(request, request.num_prompt_tokens)
+        if block_ids is None:
+            self.kv.free(request)
+            return None
+        self._register(request)
+        request.status = RequestStatus.AWAITING_KV
+        self._num_awaiting_kv += 1
+        return block_ids
+
+    def activate_received(self, request_id: str, first_token_id: int) -> None:
+        """Decode role: the prompt's KV arrived and was verified; start decoding.
+
+        The prompt counts as computed and ``first_token_id`` (sampled by prefill) becomes
+        output token 1. If it already ends the request (a stop token, max_tokens=1, the
+        length limit) the request finishes here and its blocks are freed; check its status.
+        """
+        request = self._requests.get(request_id)
+        if request is None or request.status is not RequestStatus.AWAITING_KV:
+            state = "unknown" if request is None else request.status.name
+            raise ValueError(f"activate_received({request_id!r}): request is {state}, not AWAITING_KV")
+        self._num_awaiting_kv -= 1
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_full_blocks(request)
+        request.output_token_ids.append(first_token_id)
+        status = stop_status(request, first_token_id, self.config.max_model_len)
+        if status is not None:
+            self._finish(request, status)
+            return
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=self._age)
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (oldest first), then waiting ones FCFS."""
+        chunks: list[ScheduledChunk] = []
+        preempted_ids: list[str] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, chunks, preempted_ids)
+        # After a preemption the cache is full: admitting more would only thrash.
+        if not preempted_ids:
+            budget = self._schedule_waiting(budget, chunks)
+        return SchedulerOutput(
+            chunks=chunks,
+            num_batched_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_request_ids=preempted_ids,
+        )
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Record a finished step; returns the requests that got a token or finished.
+
+        ``sampled_token_ids`` must hold a token for every sampling chunk. Requests finished
+        externally while the step ran are skipped.
+        """
+        live = [c for c in output.chunks if c.request.status is RequestStatus.RUNNING]
+        for chunk in live:
+            request = chunk.request
+            if request.num_computed_tokens != chunk.start_position:
+                raise ValueError(
+                    f"stale output for {request.request_id}: chunk starts at "
+                    f"{chunk.start_position} but {request.num_computed_tokens} tokens are computed"
+                )
+            if chunk.samples and request.request_id not in sampled_token_ids:
+                raise ValueError(f"no sampled token for {request.request_id}, whose chunk samples")
+        changed: list[Request] = []
+        for chunk in live:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_new_tokens
+            self.kv.cache_full_blocks(request)
+            if chunk.samples:
+                self._append_sampled(request, sampled_token_ids[request.request_id])
+                changed.append(request)
+        if changed:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+        return changed
+
+    # ---- endings -------------------------------------------------------------------------
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """End a request from outside (stop string, abort, client gone) and free its blocks.
+
+        No-op if the request is unknown or already finished. For PREFILLED and AWAITING_KV
+        requests the caller must first make sure no transfer still reads or writes their
+        blocks.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_request needs a FINISHED_* status, got {status.name}")
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if request.status is RequestStatus.WAITING:
+            self._waiting.remove(request)
+        elif request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        elif request.status is RequestStatus.AWAITING_KV:
+            self._num_awaiting_kv -= 1
+        self._finish(request, status)
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: every send of a PREFILLED request's blocks completed; unpin them.
+
+        Full blocks stay in the prefix cache. The request is forgotten (status becomes
+        FINISHED_STOPPED). No-op if unknown (already released or aborted).
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        if request.status is not RequestStatus.PREFILLED:
+            raise ValueError(
+                f"release({request_id!r}): request is {request.status.name}, not PREFILLED; "
+                "use finish_request to abort it"
+            )
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless request states and block ownership agree."""
+        self.kv.check_integrity()
+        bs = self.kv.block_size
+        for request in self._waiting:
+            assert request.status is RequestStatus.WAITING, f"{request.request_id} waits as {request.status}"
+            assert not self.kv.block_ids(request.request_id), f"waiting {request.request_id} owns blocks"
+        for request in self._running:
+            assert request.status is RequestStatus.RUNNING, f"{request.request_id} runs as {request.status}"
+            num_blocks = len(self.kv.block_ids(request.request_id))
+            assert num_blocks * bs >= request.num_computed_tokens, (
+                f"running {request.request_id}: {num_blocks} blocks cannot hold "
+                f"{request.num_computed_tokens} computed tokens"
+            )
+            assert request.num_computed_tokens < request.num_tokens, (
+                f"running {request.request_id} has no token left to compute"
+            )
+        keys = [self._age(r) for r in self._running]
+        assert keys == sorted(keys), "running requests are not ordered by arrival"
+        pinned = [r for r in self._requests.values() if r.status in _PINNED]
+        assert len(pinned) == self.num_prefilled + self._num_awaiting_kv, "pinned request count drifted"
+        for request in pinned:
+            num_blocks = len(self.kv.block_ids(request.request_id))
+            assert num_blocks == self.kv.num_blocks_for(request.num_prompt_tokens), (
+                f"{request.status.name} {request.request_id} holds {num_blocks} blocks for "
+                f"{request.num_prompt_tokens} prompt tokens"
+            )
+        assert all(not r.is_finished for r in self._requests.values()), "a finished request is live"
+        assert self._num_seated <= self.config.max_num_seqs, "more seated requests than max_num_seqs"
+
+    # ---- internals -----------------------------------------------------------------------
+
+    @property
+    def _num_seated(self) -> int:
+        return len(self._running) + self._num_awaiting_kv
+
+    def _age(self, request: Request) -> tuple[float, int]:
+        return self._order[request.request_id]
+
+    def _validate_new(self, request: Request) -> None:
+        if request.request_id in self._requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:
+            raise InvalidRequestError(
+                f"request {request.request_id} is not new (status {request.status.name}, "
+                f"{request.num_computed_tokens} computed tokens)"
+            )
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens >= max_len:
+            raise PromptTooLongError(
+                request.num_prompt_tokens, max_len, "(the prompt must be shorter to leave room for output)"
+            )
+        max_kv_tokens = self._max_kv_tokens(request)
+        num_needed = self.kv.num_blocks_for(max_kv_tokens)
+        if num_needed > self.kv.num_blocks:
+            raise OutOfKVBlocksError(
+                f"request {request.request_id} needs up to {num_needed} KV blocks "
+                f"({max_kv_tokens} tokens, block size {self.kv.block_size}) but the whole cache "
+                f"has {self.kv.num_blocks}; shorten the prompt or max_tokens, or give the "
+                "engine more KV cache memory"
+            )
+
+    def _max_kv_tokens(self, request: Request) -> int:
+        """Most tokens whose KV the request can ever hold (the last sampled token has none)."""
+        if request.mode is RequestMode.PREFILL_ONLY:
+            return request.num_tokens
+        final_len = request.num_prompt_tokens + request.sampling_params.max_tokens
+        return max(request.num_tokens, min(final_len, self.config.max_model_len) - 1)
+
+    def _register(self, request: Request) -> None:
+        self._requests[request.request_id] = request
+        self._order[request.request_id] = (request.arrival_time, next(self._registrations))
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        """Free the request's blocks and forget it; the caller removed it from its queue."""
+        self.kv.free(request)
+        request.set_finished(status)
+        del self._requests[request.request_id]
+        del self._order[request.request_id]
+
+    def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = min(request.num_tokens - num_computed, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if cap > 0 else num_new
+
+    def _make_chunk(self, request: Request, num_new_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request=request,
+            num_new_tokens=num_new_tokens,
+            start_position=start,
+            samples=start + num_new_tokens == request.num_tokens,
+        )
+
+    def _schedule_running(self, budget: int, chunks: list[ScheduledChunk], preempted_ids: list[str]) -> int:
+        i = 0
+        while i < len(self._running) and budget > 0:
+            request = self._running[i]
+            num_new = self._chunk_size(request, request.num_computed_tokens, budget)
+            while self.kv.allocate_slots(request, num_new) is None:
+                # The youngest running request is never one already planned this step: the
+                # list is oldest first and planned ones sit before index i.
+                victim = self._running.pop()
+                self._preempt(victim)
+                preempted_ids.append(victim.request_id)
+                if victim is request:
+                    return budget
+            chunks.append(self._make_chunk(request, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while self._waiting and budget > 0 and self._num_seated < self.config.max_num_seqs:
+            request = self._waiting[0]
+            cached_ids, num_cached = self.kv.find_cached_prefix(request)
+            num_new = self._chunk_size(request, num_cached, budget)
+            if self.kv.allocate_slots(request, num_new, cached_ids) is None:
+                break  # strict FCFS: later requests do not overtake the head
+            self._waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self._running, request, key=self._age)
+            chunks.append(self._make_chunk(request, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self._waiting.appendleft(request)
+        self.num_preemptions_total += 1
+        logger.debug(
+            "preempted %s (preemption %d), %d KV blocks free",
+            request.request_id, request.num_preemptions, self.kv.num_free_blocks,
+        )
+
+    def _append_sampled(self, request: Request, token_id: int) -> None:
+        request.output_token_ids.append(token_id)
+        if request.mode is RequestMode.PREFILL_ONLY:
+            request.status = RequestStatus.PREFILLED  # keeps its blocks until release()
+            return
+        status = stop_status(request, token_id, self.config.max_model_len)
+        if status is not None:
+            self._finish(request, status)
+
+
+_PINNED: frozenset[RequestStatus] = frozenset({RequestStatus.PREFILLED, RequestStatus.AWAITING_KV})

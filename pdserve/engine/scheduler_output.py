@@ -1,0 +1,76 @@
+"""The scheduler's configuration and the per-step plan it hands to the model runner.
+
+Plain frozen records; no behaviour beyond validation and small derived values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.request import Request
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Limits of one scheduling step.
+
+    ``max_num_batched_tokens``: token budget per step (prefill chunks + decodes).
+    ``max_num_seqs``: requests holding a batch seat (running + awaiting received KV).
+    ``max_model_len``: longest sequence (prompt + output); generation stops there.
+    ``long_prefill_token_threshold``: cap on one request's chunk per step (0 = none), so a
+    long prompt cannot take the whole budget and stall the decodes for a step.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "SchedulerConfig.long_prefill_token_threshold must be >= 0 (0 = no cap), "
+                f"got {self.long_prefill_token_threshold}"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute KV for tokens ``[start_position, start_position + num_new_tokens)``.
+
+    ``samples``: after this chunk the request has computed all its tokens, so the runner
+    must sample its next token from the chunk's last position.
+    """
+
+    request: Request
+    num_new_tokens: int
+    start_position: int
+    samples: bool
+
+    @property
+    def end_position(self) -> int:
+        return self.start_position + self.num_new_tokens
+
+    def token_ids(self) -> list[int]:
+        """The input tokens of this chunk."""
+        return self.request.token_ids_slice(self.start_position, self.end_position)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. Running requests come first, then newly admitted ones."""
+
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int
+    preempted_request_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+    @property
+    def num_sampling(self) -> int:
+        return sum(1 for chunk in self.chunks if chunk.samples)
