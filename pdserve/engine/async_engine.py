@@ -72,13 +72,15 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes; cancelling aborts it."""
         stream = self.open_stream(request_id)
+        finished = False
         try:
             await self.call(lambda: self.engine.add_request(
                 request_id, prompt_token_ids, params, mode, resume_output_ids))
             async for out in self.stream(request_id, stream):
+                finished = out.finished
                 yield out
         finally:
-            await self._close_stream(request_id)
+            await self.close_stream(request_id, abort=not finished)
 
     def open_stream(self, request_id: str) -> _Stream:
         """Register for a request's outputs before it can produce any."""
@@ -95,10 +97,16 @@ class AsyncEngine:
             if item.finished:
                 return
 
-    async def _close_stream(self, request_id: str) -> None:
-        """Forget the stream; abort the request if it is still running (client went away)."""
-        if self._streams.pop(request_id, None) is not None and self._error is None:
+    async def close_stream(self, request_id: str, abort: bool) -> None:
+        """Forget the stream; with `abort`, stop the request and free its blocks (the caller
+        went away before it finished)."""
+        self._streams.pop(request_id, None)
+        if abort and self._error is None:
             await self.call(lambda: self.engine.abort(request_id))
+
+    @property
+    def is_dead(self) -> bool:
+        return self._error is not None
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -110,7 +118,7 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 self._drain_commands()
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_schedulable_requests():
                     self._dispatch(self.engine.step(self.layer_hook))
                 else:
                     self._wakeup.wait(timeout=0.5)

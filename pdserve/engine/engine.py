@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,20 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     logprobs: list[object] = field(default_factory=list)
+    queue_s: float = 0.0  # from add_request until the request's first chunk was scheduled
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """A snapshot of the KV pool and queues: what routers balance on and tests assert."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_waiting: int
+    num_running: int
+    num_awaiting_kv: int
+    num_prefilled: int
 
 
 @dataclass
@@ -61,6 +76,8 @@ class _Tracked:
     generator: torch.Generator | None
     base_seed: int = 0
     num_reported: int = 0
+    added_at: float = field(default_factory=time.monotonic)
+    first_scheduled_at: float | None = None
 
 
 class LLMEngine:
@@ -155,6 +172,8 @@ class LLMEngine:
         tracked.stream.add(first_token_id)
         tracked.num_reported = 1
         assert request is not None
+        if tracked.stream.stopped and not request.status.is_finished:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
         if request.status.is_finished:
             return self._finish_output(request, tracked, [first_token_id], "")
         return self._output(request, [first_token_id], "", finished=False)
@@ -176,7 +195,7 @@ class LLMEngine:
         if not output.chunks:
             return []
         hook = None if layer_hook is None else (lambda layer: layer_hook(layer, output))
-        self._seed_samplers(output)
+        self._note_scheduled(output)
         result = self.runner.execute(
             output,
             self.kv_manager.block_ids,
@@ -191,8 +210,23 @@ class LLMEngine:
                    for request in changed]
         return [o for o in outputs if o is not None]
 
+    def kv_stats(self) -> KVStats:
+        """Checks the pool's integrity, then reports its counts."""
+        self.scheduler.check_integrity()
+        kv, sched = self.kv_manager, self.scheduler
+        return KVStats(
+            num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+            num_cached_blocks=kv.num_cached_blocks, num_waiting=sched.num_waiting,
+            num_running=sched.num_running, num_awaiting_kv=sched.num_awaiting_kv,
+            num_prefilled=sched.num_prefilled,
+        )
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
+
+    def has_schedulable_requests(self) -> bool:
+        """Whether a step would compute anything (requests awaiting KV or pinned do not)."""
+        return self.scheduler.has_schedulable_requests
 
     def generate(
         self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams | Sequence[SamplingParams]
@@ -216,12 +250,15 @@ class LLMEngine:
         return [tokens[rid] for rid in ids]
 
     # ---- internals -----------------------------------------------------------------------
-    def _seed_samplers(self, output: SchedulerOutput) -> None:
-        """Key each random draw to (seed, output index), not to a generator's history, so the
+    def _note_scheduled(self, output: SchedulerOutput) -> None:
+        """Stamps first-schedule times, and keys each random draw to (seed, output index), not to a generator's history, so the
         prefill worker's first token and the decode worker's later ones (or a recompute after
         a failed handoff) come out exactly as one engine alone would draw them."""
+        now = time.monotonic()
         for chunk in output.chunks:
             tracked = self._tracked.get(chunk.request.request_id)
+            if tracked is not None and tracked.first_scheduled_at is None:
+                tracked.first_scheduled_at = now
             if chunk.samples and tracked is not None and tracked.generator is not None:
                 index = len(chunk.request.output_token_ids)
                 tracked.generator.manual_seed((tracked.base_seed * 1_000_003 + index) % 2**63)
@@ -270,7 +307,9 @@ class LLMEngine:
         tracked.num_reported = len(request.output_token_ids)
         self.stats.num_generated_tokens += len(new_ids)
         text = "".join(tracked.stream.add(t) for t in new_ids)
-        if tracked.stream.stopped and not request.status.is_finished:
+        # A PREFILLED request's blocks are still being sent: the decode side applies the stop.
+        if (tracked.stream.stopped and not request.status.is_finished
+                and request.status is not RequestStatus.PREFILLED):
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
         lp = [logprobs] if logprobs is not None else []
         if request.status.is_finished or request.status is RequestStatus.PREFILLED:
@@ -282,9 +321,10 @@ class LLMEngine:
         logprobs: list[object] | None = None,
     ) -> RequestOutput:
         text += tracked.stream.flush()
+        output = self._output(request, new_ids, text, finished=True, logprobs=logprobs or [])
         if request.status is not RequestStatus.PREFILLED:
             self._tracked.pop(request.request_id, None)
-        return self._output(request, new_ids, text, finished=True, logprobs=logprobs or [])
+        return output
 
     def _output(
         self, request: Request, new_ids: list[int], text: str, finished: bool,
@@ -304,4 +344,11 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
             logprobs=logprobs or [],
+            queue_s=self._queue_s(request.request_id),
         )
+
+    def _queue_s(self, request_id: str) -> float:
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.first_scheduled_at is None:
+            return 0.0
+        return tracked.first_scheduled_at - tracked.added_at

@@ -1,0 +1,45 @@
+"""What the router sends a decode worker, and the events its `generate` stream yields.
+
+Plain frozen dataclasses: Ray carries them between the ingress and the replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # True: prefill here too (short prompt, colocated mode, or recompute after a failed
+    # handoff); False: reserve blocks and wait for a prefill worker's KV.
+    local_prefill: bool
+    # Output tokens the client already has (recompute fallback): recomputed, not generated.
+    resume_output_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecodeEvent:
+    """One item of a decode stream.
+
+    kind "ticket": blocks are reserved, hand `ticket` to a prefill worker.
+    kind "tokens": new output tokens (and their text); the last one has `finished`.
+    kind "handoff_failed": the KV never arrived intact; the reservation is already released.
+    """
+
+    kind: Literal["ticket", "tokens", "handoff_failed"]
+    ticket: dict[str, Any] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    reason: str = ""
+    # Seconds from the reservation until the fence verified (disaggregated path only).
+    handoff_wait_s: float = 0.0

@@ -1,0 +1,130 @@
+"""The decode worker: reserves blocks for incoming KV, waits for the fence, decodes in a batch.
+
+It also prefills locally: short prompts, colocated mode, and the recompute fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from pdserve.decode.api import DecodeEvent, DecodeRequest
+from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.request import RequestMode
+from pdserve.handoff.config import HandoffConfig
+from pdserve.handoff.errors import HandoffError
+from pdserve.handoff.receiver import HandoffReceiver
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeCapacityError(RuntimeError):
+    """No room for the prompt's KV right now; the router tries another replica or says 429."""
+
+
+def tokens_event(out: RequestOutput) -> DecodeEvent:
+    return DecodeEvent(
+        kind="tokens", token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
+        finish_reason=out.finish_reason, num_output_tokens=out.num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens,
+    )
+
+
+class DecodeWorker:
+    """One decode replica: an engine on its own thread plus a handoff receiver.
+
+    Block lifetime on this side: `reserve_for_received_kv` makes the request own its blocks;
+    the receiver writes only into them until the ticket is ready, failed or cancelled; only
+    after `cancel` returns (no more writes) may the engine free them.
+    """
+
+    def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None) -> None:
+        self.engine = LLMEngine(engine_config)
+        self.async_engine = AsyncEngine(self.engine)
+        self.receiver: HandoffReceiver | None = None
+        self.handoff_timeout_s = 30.0
+        if handoff_config is not None:
+            self.handoff_timeout_s = handoff_config.default_timeout_s
+            self.receiver = HandoffReceiver(self.engine.kv_cache, self.engine.layout, handoff_config)
+        logger.info("decode worker ready: %d KV blocks of %d tokens",
+                    self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
+
+    async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
+        if request.local_prefill or self.receiver is None:
+            async for out in self.async_engine.generate(
+                request.request_id, request.prompt_token_ids, request.sampling_params,
+                RequestMode.FULL, request.resume_output_ids,
+            ):
+                yield tokens_event(out)
+            return
+        async for event in self._generate_from_received_kv(request):
+            yield event
+
+    async def _generate_from_received_kv(self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
+        assert self.receiver is not None
+        rid = request.request_id
+        block_ids = await self.async_engine.call(lambda: self.engine.reserve_for_received_kv(
+            rid, request.prompt_token_ids, request.sampling_params))
+        if block_ids is None:
+            raise DecodeCapacityError(
+                f"decode worker has no room for {len(request.prompt_token_ids)} prompt tokens now")
+        stream = self.async_engine.open_stream(rid)
+        finished = False
+        start = time.monotonic()
+        try:
+            ticket = self.receiver.reserve(
+                rid, block_ids, len(request.prompt_token_ids), timeout_s=self.handoff_timeout_s)
+            yield DecodeEvent(kind="ticket", ticket=ticket.to_dict())
+            try:
+                fence = await self.receiver.wait_ready(rid)
+            except HandoffError as exc:
+                logger.warning("handoff for %s failed: %s", rid, exc)
+                await self._drop_reservation(rid)
+                finished = True
+                yield DecodeEvent(kind="handoff_failed", reason=str(exc))
+                return
+            first = await self.async_engine.call(
+                lambda: self.engine.activate_received(rid, fence.first_token_id))
+            wait_s = time.monotonic() - start
+            yield DecodeEvent(kind="tokens", finished=first.finished,
+                              finish_reason=first.finish_reason,
+                              num_output_tokens=first.num_output_tokens, handoff_wait_s=wait_s)
+            finished = first.finished
+            if not finished:
+                async for out in self.async_engine.stream(rid, stream):
+                    finished = out.finished
+                    yield tokens_event(out)
+        finally:
+            if not finished:
+                # Cancelled (client gone) or crashed: stop the receiver writing before freeing.
+                self.receiver.cancel(rid)
+            await self.async_engine.close_stream(rid, abort=not finished)
+
+    async def _drop_reservation(self, request_id: str) -> None:
+        assert self.receiver is not None
+        self.receiver.cancel(request_id)
+        await self.async_engine.call(lambda: self.engine.abort(request_id))
+
+    async def kv_stats(self) -> dict[str, Any]:
+        """Block and queue counts (integrity-checked on the engine thread)."""
+        return asdict(await self.async_engine.call(self.engine.kv_stats))
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve calls this periodically; the decode request router ranks replicas on it."""
+        kv = self.engine.kv_manager
+        return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
+                "num_running": self.engine.scheduler.num_running}
+
+    def check_health(self) -> None:
+        if self.async_engine.is_dead:
+            raise RuntimeError("decode engine thread died")
+
+    def __del__(self) -> None:
+        self.async_engine.shutdown()
+        if self.receiver is not None:
+            self.receiver.close()
