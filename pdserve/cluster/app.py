@@ -1,0 +1,86 @@
+"""Builds the pdserve Serve application from a config: workers, ingress, and their wiring.
+
+`build` is importable for `serve run pdserve.cluster.app:build` and `serve deploy`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from pdserve.cluster.config import PdserveConfig, load_config, parse_config
+from pdserve.cluster.model_source import resolve_model_path
+from pdserve.decode.worker import DecodeWorker
+from pdserve.engine.model_config import ModelConfig
+from pdserve.handoff.config import MIB, HandoffConfig
+from pdserve.prefill.worker import PrefillWorker
+from pdserve.router.ingress import Ingress, IngressSettings
+from pdserve.router.pipeline import PipelineSettings
+
+logger = logging.getLogger(__name__)
+
+
+def handoff_config(cfg: PdserveConfig) -> HandoffConfig:
+    token = cfg.resolve_auth_token() or secrets.token_hex(16)
+    staging = cfg.handoff.staging_buffer_mb * MIB
+    return HandoffConfig(
+        auth_token=token, default_timeout_s=cfg.handoff.timeout_s,
+        sender_staging_bytes=staging, receiver_staging_bytes=staging,
+        max_piece_bytes=min(16 * MIB, staging), min_piece_bytes=min(MIB, staging),
+    )
+
+
+def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
+    role_cfg = cfg.role_configs()[role]
+    plan = cfg.replica_plan().role(role)
+    assert plan is not None
+    options: dict[str, Any] = {"name": role, "ray_actor_options": role_cfg.ray_actor_options(),
+                               "max_ongoing_requests": cfg.engine.max_num_seqs * 2}
+    if role_cfg.autoscaling is not None:
+        options["autoscaling_config"] = role_cfg.autoscaling.to_serve(plan.replicas)
+    else:
+        options["num_replicas"] = plan.replicas
+    return options
+
+
+def build_from_config(cfg: PdserveConfig) -> Application:
+    model_path = resolve_model_path(cfg)
+    engine_config = cfg.to_engine_config(model_path)
+    model_config = ModelConfig.from_checkpoint(model_path)
+    max_model_len = min(cfg.model.max_model_len or model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
+    print(cfg.replica_plan().summary())
+    disaggregated = cfg.mode == "disaggregated"
+    handoff = handoff_config(cfg) if disaggregated else None
+    decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
+        engine_config, handoff)
+    prefill = None
+    if disaggregated:
+        prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(
+            engine_config, handoff)
+    settings = IngressSettings(
+        model_path=model_path, served_model_name=cfg.model_name(), max_model_len=max_model_len,
+        max_in_flight=cfg.router.max_queued_requests,
+        request_timeout_s=cfg.router.request_timeout_s,
+        pipeline=PipelineSettings(
+            mode=cfg.mode,
+            min_disaggregated_prompt_tokens=cfg.router.min_disaggregated_prompt_tokens),
+    )
+    ingress = serve.deployment(
+        serve.ingress()(Ingress), name="ingress", num_replicas=cfg.router.replicas,
+        ray_actor_options={"num_cpus": cfg.router.num_cpus},
+        max_ongoing_requests=cfg.router.max_queued_requests * 2,
+    )
+    return ingress.bind(decode, prefill, settings)
+
+
+def build(args: dict[str, Any] | None = None) -> Application:
+    """Serve's application builder: ``args`` is a config mapping, or {"config": PATH}."""
+    args = dict(args or {})
+    if set(args) <= {"config"}:
+        return build_from_config(load_config(args.get("config")))
+    return build_from_config(parse_config(args, source="serve application args"))

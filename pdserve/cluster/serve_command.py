@@ -1,0 +1,43 @@
+"""`pdserve serve [CONFIG]`: start (or join) Ray, run the application, serve until Ctrl-C.
+
+The embedded default is configs/local.yaml: tiny model, CPU, local Ray, HTTP on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from pdserve.cluster.app import build_from_config
+from pdserve.cluster.config import PdserveConfig, load_config
+
+logger = logging.getLogger(__name__)
+
+APP_NAME = "pdserve"
+
+
+def start(cfg: PdserveConfig, address: str | None = None) -> str:
+    """Start Ray (or join `address`) and the application; return its base URL."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+    serve.run(build_from_config(cfg), name=APP_NAME, route_prefix="/")
+    return f"http://{cfg.http.host}:{cfg.http.port}"
+
+
+def serve(config_path: str | None) -> int:
+    cfg = load_config(config_path)
+    url = start(cfg)
+    print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        from ray import serve as ray_serve
+
+        ray_serve.shutdown()
+    return 0

@@ -1,0 +1,143 @@
+"""One request's journey through the workers: pick a path, pair the roles, stream tokens.
+
+Text out is exactly what the engines produced; this file adds no tokens, only routing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pdserve.decode.api import DecodeEvent, DecodeRequest
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.prefill.api import PrefillRequest, PrefillResult
+from pdserve.router.timings import RequestTimings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    mode: Literal["disaggregated", "colocated"]
+    # Prompts shorter than this are prefilled on the decode worker: moving their KV would
+    # cost more than recomputing it.
+    min_disaggregated_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+class RequestTrace:
+    """The request's timings as they fill in; frozen `RequestTimings` underneath."""
+
+    def __init__(self, request_id: str) -> None:
+        self.started = time.monotonic()
+        self.timings = RequestTimings(request_id=request_id)
+
+    def update(self, **changes: Any) -> None:
+        self.timings = self.timings.with_(**changes)
+
+    def ms_since_start(self) -> float:
+        return (time.monotonic() - self.started) * 1000.0
+
+
+class GenerationPipeline:
+    """Runs a tokenized request on the workers, through whichever path it qualifies for."""
+
+    def __init__(self, decode: Any, prefill: Any | None, settings: PipelineSettings) -> None:
+        self.decode = decode
+        self.prefill = prefill
+        self.settings = settings
+
+    def choose_path(self, num_prompt_tokens: int) -> str:
+        if self.settings.mode == "colocated" or self.prefill is None:
+            return "colocated"
+        if num_prompt_tokens < self.settings.min_disaggregated_prompt_tokens:
+            return "local_prefill"
+        return "disaggregated"
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, trace: RequestTrace
+    ) -> AsyncIterator[GenerationDelta]:
+        path = self.choose_path(len(prompt_ids))
+        trace.update(path=path, num_prompt_tokens=len(prompt_ids))
+        if path == "disaggregated":
+            stream = self._disaggregated(request_id, prompt_ids, params, trace)
+        else:
+            stream = self._on_decode(request_id, prompt_ids, params, ())
+        async for delta in stream:
+            yield delta
+
+    async def _on_decode(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        resume_output_ids: tuple[int, ...],
+    ) -> AsyncIterator[GenerationDelta]:
+        request = DecodeRequest(request_id, prompt_ids, params, local_prefill=True,
+                                resume_output_ids=resume_output_ids)
+        events = self.decode.options(stream=True).generate.remote(request)
+        try:
+            async for event in events:
+                yield _delta(event)
+        finally:
+            events.cancel()
+
+    async def _disaggregated(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, trace: RequestTrace
+    ) -> AsyncIterator[GenerationDelta]:
+        request = DecodeRequest(request_id, prompt_ids, params, local_prefill=False)
+        events = self.decode.options(stream=True).generate.remote(request)
+        prefill_call = None
+        try:
+            reserve_start = time.monotonic()
+            ticket_event: DecodeEvent = await events.__anext__()
+            trace.update(decode_reserve_ms=(time.monotonic() - reserve_start) * 1000.0)
+            prefill_call = self.prefill.prefill.remote(  # type: ignore[union-attr]
+                PrefillRequest(request_id, prompt_ids, params, ticket_event.ticket or {}))
+            try:
+                result: PrefillResult = await prefill_call
+            except Exception as exc:  # noqa: BLE001 - any prefill failure: recompute on decode
+                logger.warning("prefill of %s failed, recomputing on decode: %s", request_id, exc)
+                events.cancel()
+                trace.update(path="recompute_fallback", fallback_reason="prefill_failed")
+                async for delta in self._on_decode(request_id, prompt_ids, params, ()):
+                    yield delta
+                return
+            trace.update(prefill_queue_ms=result.queue_s * 1000.0,
+                         prefill_compute_ms=result.compute_s * 1000.0,
+                         prefix_hit_tokens=result.num_cached_tokens,
+                         prefill_tokens_computed=result.num_computed_tokens)
+            prefill_done = time.monotonic()
+            yield GenerationDelta(result.first_text, [result.first_token_id],
+                                  num_cached_tokens=result.num_cached_tokens)
+            async for event in events:
+                if event.kind == "handoff_failed":
+                    trace.update(path="recompute_fallback", fallback_reason="handoff_failed")
+                    async for delta in self._on_decode(
+                        request_id, prompt_ids, params, (result.first_token_id,)
+                    ):
+                        yield delta
+                    return
+                if event.handoff_wait_s:
+                    trace.update(handoff_ms=event.handoff_wait_s * 1000.0,
+                                 handoff_exposed_ms=(time.monotonic() - prefill_done) * 1000.0)
+                yield _delta(event)
+        finally:
+            events.cancel()
+            if prefill_call is not None:
+                prefill_call.cancel()
+
+
+def _delta(event: DecodeEvent) -> GenerationDelta:
+    if event.kind != "tokens":
+        raise RuntimeError(f"decode worker sent an unexpected {event.kind!r} event")
+    return GenerationDelta(event.text, event.token_ids, event.finished, event.finish_reason,
+                           event.num_cached_tokens)
