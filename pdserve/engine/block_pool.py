@@ -148,7 +148,9 @@ class BlockPool:
                     f"{block!r} carries a hash the cache map does not point back to it with"
                 )
         for block_hash, block in self._cached.items():
-            assert block.block_hash == block_hash, f"cache map entry points at {block!r} with another hash"
+            assert block.block_hash == block_hash, (
+                f"cache map entry points at {block!r} with another hash"
+            )
         num_used = sum(1 for block in self._blocks if block.ref_count > 0)
         assert num_used + len(self._free) == self.num_blocks, (
             f"free {len(self._free)} + used {num_used} != total {self.num_blocks}"

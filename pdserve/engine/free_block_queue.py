@@ -94,7 +94,9 @@ class FreeBlockQueue:
             assert count <= self._len, f"free queue longer than its length {self._len} (cycle?)"
             node = nxt
         assert self._tail.prev is node, "free queue: tail sentinel's prev is wrong"
-        assert count == self._len, f"free queue holds {count} blocks but its length says {self._len}"
+        assert count == self._len, (
+            f"free queue holds {count} blocks but its length says {self._len}"
+        )
 
     def _insert_between(self, block: KVBlock, prev: KVBlock | None, nxt: KVBlock | None) -> None:
         if block.in_free_queue:

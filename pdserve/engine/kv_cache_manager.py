@@ -46,9 +46,6 @@ class KVCacheManager:
         self._pool = BlockPool(num_blocks, enable_prefix_caching)
         self._tables: dict[str, _BlockTable] = {}
         self._hashes: dict[str, list[bytes]] = {}  # memo; block contents never change
-        # Cumulative prompt tokens looked up / found, for a hit-rate metric.
-        self.num_lookup_tokens = 0
-        self.num_hit_tokens = 0
 
     @property
     def num_blocks(self) -> int:
@@ -92,10 +89,7 @@ class KVCacheManager:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        num_hit = len(block_ids) * self.block_size
-        self.num_lookup_tokens += request.num_tokens
-        self.num_hit_tokens += num_hit
-        return block_ids, num_hit
+        return block_ids, len(block_ids) * self.block_size
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int] = ()
@@ -109,7 +103,9 @@ class KVCacheManager:
         table = self._tables.get(request.request_id)
         if cached_block_ids:
             if table is not None and table.block_ids:
-                raise ValueError(f"request {request.request_id}: cached blocks after blocks were allocated")
+                raise ValueError(
+                    f"request {request.request_id}: cached blocks after blocks were allocated"
+                )
             num_computed = len(cached_block_ids) * self.block_size
         else:
             num_computed = request.num_computed_tokens

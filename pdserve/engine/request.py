@@ -71,7 +71,9 @@ class Request:
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
-            raise InvalidRequestError(f"request_id must be a non-empty string, got {self.request_id!r}")
+            raise InvalidRequestError(
+                f"request_id must be a non-empty string, got {self.request_id!r}"
+            )
         if not self.prompt_token_ids:
             raise InvalidRequestError(f"request {self.request_id}: the prompt has no tokens")
         # Copies: the caller's lists must not alias the scheduler's state.

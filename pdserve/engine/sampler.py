@@ -58,14 +58,20 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            drawn = self._draw(logits.index_select(0, rows), [params[i] for i in random_rows],
-                               [generators[i] for i in random_rows])
+            drawn = self._draw(
+                logits.index_select(0, rows),
+                [params[i] for i in random_rows],
+                [generators[i] for i in random_rows],
+            )
             token_ids = token_ids.index_copy(0, rows, drawn)
         token_list = token_ids.tolist()
         return SamplerOutput(token_list, _logprobs(logits, params, token_list))
 
     def _draw(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
     ) -> torch.Tensor:
         temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temperatures.unsqueeze(1)
@@ -77,7 +83,9 @@ class Sampler:
         noise = torch.empty_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], device=probs.device
+            ).exponential_()
         for i, generator in enumerate(generators):
             if generator is not None:
                 noise[i].exponential_(generator=generator)

@@ -56,7 +56,9 @@ class SamplingParams:
         if _require_int("max_tokens", self.max_tokens) < 1:
             raise InvalidRequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if _require_float("temperature", self.temperature) < 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+            raise InvalidRequestError(
+                f"temperature must be >= 0 (0 = greedy), got {self.temperature}"
+            )
         top_p = _require_float("top_p", self.top_p)
         if not 0.0 < top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -64,8 +66,13 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.seed is not None and not MIN_SEED <= _require_int("seed", self.seed) <= MAX_SEED:
             raise InvalidRequestError(f"seed must be in [{MIN_SEED}, {MAX_SEED}], got {self.seed}")
-        if self.logprobs is not None and not 0 <= _require_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        if (
+            self.logprobs is not None
+            and not 0 <= _require_int("logprobs", self.logprobs) <= MAX_LOGPROBS
+        ):
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
+            )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         self._normalize_stops()

@@ -11,29 +11,15 @@ import itertools
 import logging
 from collections import deque
 
-from pdserve.engine.errors import InvalidRequestError, OutOfKVBlocksError, PromptTooLongError
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestMode, RequestStatus
+from pdserve.engine.request_checks import check_new_request, stop_status
 from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "stop_status"]
-
-
-def stop_status(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
-    """The finished status that ``token_id`` (just appended) puts the request in, if any.
-
-    A stop token wins over a length limit reached by the same token ("stop", not "length").
-    """
-    params = request.sampling_params
-    if token_id in params.stop_token_ids or (
-        not params.ignore_eos and token_id in request.eos_token_ids
-    ):
-        return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
-    return None
 
 
 class Scheduler:
@@ -59,7 +45,11 @@ class Scheduler:
         self._num_awaiting_kv = 0
         self._order: dict[str, tuple[float, int]] = {}  # (arrival_time, registration number)
         self._registrations = itertools.count()
-        self.num_preemptions_total = 0  # cumulative, for metrics
+        # Cumulative, for metrics: preemptions; tokens of admissions and how many of those
+        # came from the prefix cache (hit rate = hit / admitted).
+        self.num_preemptions_total = 0
+        self.num_admitted_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -100,7 +90,7 @@ class Scheduler:
             raise InvalidRequestError(
                 f"request {request.request_id} expects received KV: use reserve_for_received_kv"
             )
-        self._validate_new(request)
+        check_new_request(request, self.config, self.kv, self._requests)
         self._register(request)
         self._waiting.append(request)
 
@@ -117,7 +107,7 @@ class Scheduler:
                 f"request {request.request_id} has mode {request.mode.name}; only "
                 "FROM_RECEIVED_KV requests reserve blocks for received KV"
             )
-        self._validate_new(request)
+        check_new_request(request, self.config, self.kv, self._requests)
         if self._num_seated >= self.config.max_num_seqs:
             return None
         block_ids = self.kv.allocate_slots(request, request.num_prompt_tokens)
@@ -139,7 +129,9 @@ class Scheduler:
         request = self._requests.get(request_id)
         if request is None or request.status is not RequestStatus.AWAITING_KV:
             state = "unknown" if request is None else request.status.name
-            raise ValueError(f"activate_received({request_id!r}): request is {state}, not AWAITING_KV")
+            raise ValueError(
+                f"activate_received({request_id!r}): request is {state}, not AWAITING_KV"
+            )
         self._num_awaiting_kv -= 1
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_full_blocks(request)
@@ -240,10 +232,16 @@ class Scheduler:
         self.kv.check_integrity()
         bs = self.kv.block_size
         for request in self._waiting:
-            assert request.status is RequestStatus.WAITING, f"{request.request_id} waits as {request.status}"
-            assert not self.kv.block_ids(request.request_id), f"waiting {request.request_id} owns blocks"
+            assert request.status is RequestStatus.WAITING, (
+                f"{request.request_id} waits as {request.status}"
+            )
+            assert not self.kv.block_ids(request.request_id), (
+                f"waiting {request.request_id} owns blocks"
+            )
         for request in self._running:
-            assert request.status is RequestStatus.RUNNING, f"{request.request_id} runs as {request.status}"
+            assert request.status is RequestStatus.RUNNING, (
+                f"{request.request_id} runs as {request.status}"
+            )
             num_blocks = len(self.kv.block_ids(request.request_id))
             assert num_blocks * bs >= request.num_computed_tokens, (
                 f"running {request.request_id}: {num_blocks} blocks cannot hold "
@@ -255,7 +253,9 @@ class Scheduler:
         keys = [self._age(r) for r in self._running]
         assert keys == sorted(keys), "running requests are not ordered by arrival"
         pinned = [r for r in self._requests.values() if r.status in _PINNED]
-        assert len(pinned) == self.num_prefilled + self._num_awaiting_kv, "pinned request count drifted"
+        assert len(pinned) == self.num_prefilled + self._num_awaiting_kv, (
+            "pinned request count drifted"
+        )
         for request in pinned:
             num_blocks = len(self.kv.block_ids(request.request_id))
             assert num_blocks == self.kv.num_blocks_for(request.num_prompt_tokens), (
@@ -263,7 +263,9 @@ class Scheduler:
                 f"{request.num_prompt_tokens} prompt tokens"
             )
         assert all(not r.is_finished for r in self._requests.values()), "a finished request is live"
-        assert self._num_seated <= self.config.max_num_seqs, "more seated requests than max_num_seqs"
+        assert self._num_seated <= self.config.max_num_seqs, (
+            "more seated requests than max_num_seqs"
+        )
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -273,36 +275,6 @@ class Scheduler:
 
     def _age(self, request: Request) -> tuple[float, int]:
         return self._order[request.request_id]
-
-    def _validate_new(self, request: Request) -> None:
-        if request.request_id in self._requests:
-            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens != 0:
-            raise InvalidRequestError(
-                f"request {request.request_id} is not new (status {request.status.name}, "
-                f"{request.num_computed_tokens} computed tokens)"
-            )
-        max_len = self.config.max_model_len
-        if request.num_prompt_tokens >= max_len:
-            raise PromptTooLongError(
-                request.num_prompt_tokens, max_len, "(the prompt must be shorter to leave room for output)"
-            )
-        max_kv_tokens = self._max_kv_tokens(request)
-        num_needed = self.kv.num_blocks_for(max_kv_tokens)
-        if num_needed > self.kv.num_blocks:
-            raise OutOfKVBlocksError(
-                f"request {request.request_id} needs up to {num_needed} KV blocks "
-                f"({max_kv_tokens} tokens, block size {self.kv.block_size}) but the whole cache "
-                f"has {self.kv.num_blocks}; shorten the prompt or max_tokens, or give the "
-                "engine more KV cache memory"
-            )
-
-    def _max_kv_tokens(self, request: Request) -> int:
-        """Most tokens whose KV the request can ever hold (the last sampled token has none)."""
-        if request.mode is RequestMode.PREFILL_ONLY:
-            return request.num_tokens
-        final_len = request.num_prompt_tokens + request.sampling_params.max_tokens
-        return max(request.num_tokens, min(final_len, self.config.max_model_len) - 1)
 
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -329,7 +301,9 @@ class Scheduler:
             samples=start + num_new_tokens == request.num_tokens,
         )
 
-    def _schedule_running(self, budget: int, chunks: list[ScheduledChunk], preempted_ids: list[str]) -> int:
+    def _schedule_running(
+        self, budget: int, chunks: list[ScheduledChunk], preempted_ids: list[str]
+    ) -> int:
         i = 0
         while i < len(self._running) and budget > 0:
             request = self._running[i]
@@ -356,6 +330,8 @@ class Scheduler:
                 break  # strict FCFS: later requests do not overtake the head
             self._waiting.popleft()
             request.num_computed_tokens = num_cached
+            self.num_admitted_tokens += request.num_tokens
+            self.num_prefix_hit_tokens += num_cached
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -373,7 +349,9 @@ class Scheduler:
         self.num_preemptions_total += 1
         logger.debug(
             "preempted %s (preemption %d), %d KV blocks free",
-            request.request_id, request.num_preemptions, self.kv.num_free_blocks,
+            request.request_id,
+            request.num_preemptions,
+            self.kv.num_free_blocks,
         )
 
     def _append_sampled(self, request: Request, token_id: int) -> None:

@@ -68,7 +68,9 @@ class FakeRunner:
             self.write_kv(chunk.request, chunk.start_position, chunk.end_position)
         for chunk in output.chunks:
             if chunk.samples:
-                sampled[chunk.request.request_id] = self.next_token(chunk.request, chunk.end_position)
+                sampled[chunk.request.request_id] = self.next_token(
+                    chunk.request, chunk.end_position
+                )
         return sampled
 
 
@@ -103,11 +105,15 @@ def make_request(
     params = SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos, stop_token_ids=stop_token_ids
     )
-    extra = {} if arrival_time is None else {"arrival_time": arrival_time}
-    return Request(request_id, list(prompt), params, (EOS,), mode=mode, **extra)
+    request = Request(request_id, list(prompt), params, (EOS,), mode=mode)
+    if arrival_time is not None:
+        request.arrival_time = arrival_time
+    return request
 
 
-def step(scheduler: Scheduler, runner: FakeRunner, check: bool = True) -> tuple[SchedulerOutput, list[Request]]:
+def step(
+    scheduler: Scheduler, runner: FakeRunner, check: bool = True
+) -> tuple[SchedulerOutput, list[Request]]:
     output = scheduler.schedule()
     if check:
         scheduler.check_integrity()
@@ -123,7 +129,7 @@ def run_to_completion(
     """Add the requests, step until none is live; returns every step's output."""
     for request in requests:
         scheduler.add_request(request)
-    outputs = []
+    outputs: list[SchedulerOutput] = []
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests:
             return outputs

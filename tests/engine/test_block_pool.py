@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -150,7 +151,9 @@ def test_reset_prefix_cache_only_when_nothing_is_used() -> None:
         (lambda p: setattr(p._free._head.next, "prev", None), "free queue"),
     ],
 )
-def test_check_integrity_catches_corruption(corrupt, message) -> None:  # type: ignore[no-untyped-def]
+def test_check_integrity_catches_corruption(
+    corrupt: Callable[[BlockPool], None], message: str
+) -> None:
     pool, _, _ = _cached_pool(4, 1)
     pool.allocate(1)
     pool.check_integrity()

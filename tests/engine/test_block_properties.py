@@ -123,12 +123,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         threshold=st.sampled_from([0, 0, 3, 7]),
         caching=st.booleans(),
     )
-    def setup(self, num_blocks: int, block_size: int, budget: int, max_num_seqs: int,
-              threshold: int, caching: bool) -> None:
+    def setup(
+        self,
+        num_blocks: int,
+        block_size: int,
+        budget: int,
+        max_num_seqs: int,
+        threshold: int,
+        caching: bool,
+    ) -> None:
         self.sched, self.runner = make_scheduler(
-            num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget,
-            max_num_seqs=max_num_seqs, max_model_len=MAX_MODEL_LEN,
-            long_prefill_token_threshold=threshold, enable_prefix_caching=caching,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=MAX_MODEL_LEN,
+            long_prefill_token_threshold=threshold,
+            enable_prefix_caching=caching,
         )
 
     def _new_request(self, data: st.DataObject, mode: RequestMode, min_tokens: int = 1) -> Request:
@@ -138,8 +149,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = (stem[:cut] + suffix) or [7]
         self.next_id += 1
         return make_request(
-            f"r{self.next_id}", prompt, max_tokens=data.draw(st.integers(min_tokens, 24)),
-            ignore_eos=data.draw(st.booleans()), mode=mode,
+            f"r{self.next_id}",
+            prompt,
+            max_tokens=data.draw(st.integers(min_tokens, 24)),
+            ignore_eos=data.draw(st.booleans()),
+            mode=mode,
         )
 
     def _ids(self, *statuses: RequestStatus) -> list[str]:
@@ -157,7 +171,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.sched._requests) < 6)
     @rule(data=st.data(), prefill_only=st.booleans())
     def add(self, data: st.DataObject, prefill_only: bool) -> None:
-        request = self._new_request(data, RequestMode.PREFILL_ONLY if prefill_only else RequestMode.FULL)
+        request = self._new_request(
+            data, RequestMode.PREFILL_ONLY if prefill_only else RequestMode.FULL
+        )
         try:
             self.sched.add_request(request)
         except (PromptTooLongError, OutOfKVBlocksError) as error:
@@ -200,8 +216,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.sched.activate_received(request.request_id, first)
 
     @precondition(lambda self: self.sched.has_unfinished_requests)
-    @rule(data=st.data(), status=st.sampled_from([RequestStatus.FINISHED_ABORTED,
-                                                  RequestStatus.FINISHED_STOPPED]))
+    @rule(
+        data=st.data(),
+        status=st.sampled_from([RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_STOPPED]),
+    )
     def finish(self, data: st.DataObject, status: RequestStatus) -> None:
         live = sorted(self.sched._requests)
         request_id = data.draw(st.sampled_from(live))
@@ -241,7 +259,9 @@ class SchedulerMachine(RuleBasedStateMachine):
                 gained -= set(block_ids[: chunk.start_position // self.sched.kv.block_size])
             for other, blocks in owned_before.items():
                 if other != rid and other not in output.preempted_request_ids:
-                    assert not gained & blocks, f"{rid} was given blocks {gained & blocks} of {other}"
+                    assert not gained & blocks, (
+                        f"{rid} was given blocks {gained & blocks} of {other}"
+                    )
         self.sched.check_integrity()
         self.sched.update_from_output(output, self.runner.execute(output))
 
@@ -278,7 +298,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 
 _SETTINGS = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestBlockPoolMachine = BlockPoolMachine.TestCase

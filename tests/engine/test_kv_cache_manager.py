@@ -146,10 +146,3 @@ def test_prefix_caching_off() -> None:
     _compute_prompt(kv, _request("a", list(range(9))))
     assert kv.find_cached_prefix(_request("b", list(range(9)))) == ([], 0)
     assert kv.num_cached_blocks == 0
-
-
-def test_lookup_counters_measure_hit_rate() -> None:
-    kv = KVCacheManager(8, 4, "m")
-    _compute_prompt(kv, _request("a", list(range(9))))
-    kv.find_cached_prefix(_request("b", list(range(9))))
-    assert (kv.num_lookup_tokens, kv.num_hit_tokens) == (18, 8)

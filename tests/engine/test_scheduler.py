@@ -6,6 +6,9 @@ that compares tokens also checks that the right KV was in the right blocks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import pytest
 from scheduler_driver import (
     EOS,
@@ -23,7 +26,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 
-def _outputs(requests) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
+def _outputs(requests: Sequence[Request]) -> dict[str, list[int]]:
     return {r.request_id: list(r.output_token_ids) for r in requests}
 
 
@@ -51,7 +54,9 @@ def test_chunked_prefill_splits_mid_block_and_samples_only_on_the_last_chunk() -
     assert plan == [(0, 6, False), (6, 6, False), (12, 2, True)]
     assert request.num_output_tokens == 1
     output, _ = step(sched, runner)
-    assert [(c.start_position, c.num_new_tokens, c.samples) for c in output.chunks] == [(14, 1, True)]
+    assert [(c.start_position, c.num_new_tokens, c.samples) for c in output.chunks] == [
+        (14, 1, True)
+    ]
     assert request.is_finished
 
 
@@ -82,6 +87,7 @@ def test_prefix_hit_computes_only_the_suffix() -> None:
     cold = make_request("second", list(range(8)) + [40, 41, 42, 43, 44], max_tokens=3)
     run_to_completion(cold_sched, cold_runner, [cold])
     assert cold.num_cached_tokens == 0 and cold.output_token_ids == second.output_token_ids
+    assert (sched.num_admitted_tokens, sched.num_prefix_hit_tokens) == (12 + 13, 8)
 
 
 def test_identical_prompt_still_computes_its_last_token() -> None:
@@ -91,10 +97,12 @@ def test_identical_prompt_still_computes_its_last_token() -> None:
     sched.add_request(again)
     output, _ = step(sched, runner)
     assert again.num_cached_tokens == 4
-    assert [(c.start_position, c.num_new_tokens, c.samples) for c in output.chunks] == [(4, 4, True)]
+    assert [(c.start_position, c.num_new_tokens, c.samples) for c in output.chunks] == [
+        (4, 4, True)
+    ]
 
 
-def _pressure_run(num_blocks: int) -> tuple[Scheduler, list, int]:  # type: ignore[type-arg]
+def _pressure_run(num_blocks: int) -> tuple[Scheduler, list[Request], int]:
     sched, runner = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32)
     requests = [
         make_request(f"r{i}", [i * 10 + j for j in range(9)], max_tokens=14, arrival_time=float(i))
@@ -168,7 +176,7 @@ def test_stop_rules() -> None:
     tokens = free_run.output_token_ids  # the runner is deterministic: same prompt, same tokens
     stop_at = tokens.index(tokens[3]) + 1
 
-    def rerun(request_id: str, eos: int, **kwargs) -> Request:  # type: ignore[no-untyped-def]
+    def rerun(request_id: str, eos: int, **kwargs: Any) -> Request:
         params = SamplingParams(max_tokens=kwargs.pop("max_tokens", 200), temperature=0, **kwargs)
         request = Request(request_id, list(range(5)), params, (eos,))
         run_to_completion(sched, runner, [request])
@@ -237,29 +245,40 @@ def test_disaggregated_roles_reproduce_the_colocated_tokens() -> None:
     prefill_sched.release("r")
     decode_sched.activate_received("r", first_token)
     output, _ = step(decode_sched, decode_runner)
-    assert [(c.start_position, c.num_new_tokens, c.samples) for c in output.chunks] == [(14, 1, True)]
+    assert [(c.start_position, c.num_new_tokens, c.samples) for c in output.chunks] == [
+        (14, 1, True)
+    ]
     run_to_completion(decode_sched, decode_runner, [])
     assert on_decode.output_token_ids == colocated.output_token_ids
     assert decode_sched.kv.num_free_blocks == decode_sched.kv.num_blocks
     assert prefill_sched.kv.num_free_blocks == prefill_sched.kv.num_blocks
 
 
-def _receive_kv(src: FakeRunner, dst: FakeRunner, src_req, dst_req) -> None:  # type: ignore[no-untyped-def]
+def _receive_kv(src: FakeRunner, dst: FakeRunner, src_req: Request, dst_req: Request) -> None:
     """Copy the prompt's simulated KV block by block, as the handoff would."""
     bs = src.kv.block_size
-    src_blocks, dst_blocks = src.kv.block_ids(src_req.request_id), dst.kv.block_ids(dst_req.request_id)
+    src_blocks, dst_blocks = (
+        src.kv.block_ids(src_req.request_id),
+        dst.kv.block_ids(dst_req.request_id),
+    )
     for pos in range(src_req.num_prompt_tokens):
         dst.slots[(dst_blocks[pos // bs], pos % bs)] = src.slots[(src_blocks[pos // bs], pos % bs)]
 
 
-@pytest.mark.parametrize("max_tokens, first_token, status", [
-    (1, 7, RequestStatus.FINISHED_LENGTH),
-    (5, EOS, RequestStatus.FINISHED_STOPPED),
-])
-def test_activation_applies_stop_rules_to_the_first_token(max_tokens, first_token, status) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    "max_tokens, first_token, status",
+    [
+        (1, 7, RequestStatus.FINISHED_LENGTH),
+        (5, EOS, RequestStatus.FINISHED_STOPPED),
+    ],
+)
+def test_activation_applies_stop_rules_to_the_first_token(
+    max_tokens: int, first_token: int, status: RequestStatus
+) -> None:
     sched, _ = make_scheduler()
-    request = make_request("r", range(6), max_tokens=max_tokens, ignore_eos=False,
-                           mode=RequestMode.FROM_RECEIVED_KV)
+    request = make_request(
+        "r", range(6), max_tokens=max_tokens, ignore_eos=False, mode=RequestMode.FROM_RECEIVED_KV
+    )
     assert sched.reserve_for_received_kv(request) is not None
     sched.activate_received("r", first_token)
     assert is_finished_with(request, status) and request.output_token_ids == [first_token]

@@ -1,0 +1,161 @@
+"""Sampler tests: greedy, seeded reproducibility across batches, top-k/top-p, logprobs.
+
+Also the SamplingParams validation that guards the sampler's inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampler import Sampler, make_generator
+from pdserve.engine.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+def _logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def _draws(row: torch.Tensor, params: SamplingParams, seed: int, steps: int = 8) -> list[int]:
+    """One request's tokens over several steps, sampled alone."""
+    sampler, generator = Sampler(), make_generator(seed, "cpu")
+    return [sampler.sample(row[None], [params], [generator]).token_ids[0] for _ in range(steps)]
+
+
+def test_greedy_is_argmax() -> None:
+    logits = _logits(5)
+    out = Sampler().sample(logits, [SamplingParams(temperature=0)] * 5, [None] * 5)
+    assert out.token_ids == logits.argmax(dim=-1).tolist() and out.logprobs is None
+
+
+def test_seed_reproduces_regardless_of_batch_position_and_neighbours() -> None:
+    logits = _logits(4)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    alone = _draws(logits[2], params, seed=1234)
+    # Same request at row 0 of a batch full of other (seeded and unseeded) requests.
+    sampler = Sampler()
+    gens = [make_generator(1234, "cpu"), None, make_generator(5, "cpu"), None]
+    neighbours = [
+        params,
+        SamplingParams(temperature=0.7),
+        SamplingParams(seed=5, top_k=3),
+        SamplingParams(temperature=0),
+    ]
+    batch = torch.stack([logits[2], logits[0], logits[1], logits[3]])
+    in_batch = [sampler.sample(batch, neighbours, gens).token_ids[0] for _ in range(8)]
+    assert in_batch == alone
+    assert len(set(alone)) > 1  # really sampling, not argmax
+
+
+def test_different_seeds_differ() -> None:
+    row = torch.zeros(VOCAB)  # uniform: every seed draws its own sequence
+    params = SamplingParams(temperature=1.0)
+    assert _draws(row, params, seed=1) != _draws(row, params, seed=2)
+
+
+def test_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1] + [0.0] * (VOCAB - 3))
+    row = torch.log(probs.clamp(min=1e-30))
+    tokens = _draws(row, SamplingParams(temperature=1.0), seed=0, steps=2000)
+    counts = torch.bincount(torch.tensor(tokens), minlength=VOCAB).float() / len(tokens)
+    assert torch.allclose(counts[:3], probs[:3], atol=0.04)
+    assert counts[3:].sum() == 0
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.5, top_k=1, seed=3),
+        SamplingParams(temperature=1.5, top_p=1e-6, seed=3),
+        SamplingParams(temperature=1.5, top_k=5, top_p=1e-6, seed=3),
+    ],
+)
+def test_top_k_one_and_tiny_top_p_equal_greedy(params: SamplingParams) -> None:
+    logits = _logits(6, seed=1)
+    gens = [make_generator(i, "cpu") for i in range(6)]
+    out = Sampler().sample(logits, [params] * 6, gens)
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_and_top_p_only_draw_inside_their_sets() -> None:
+    row = _logits(1, seed=2)[0] / 3  # flat enough for a nucleus of several tokens
+    top5 = set(row.topk(5).indices.tolist())
+    assert set(_draws(row, SamplingParams(top_k=5, temperature=2.0), seed=0, steps=200)) <= top5
+    probs = torch.softmax(row, dim=-1)
+    order = probs.argsort(descending=True)
+    nucleus_size = int((probs[order].cumsum(0) < 0.5).sum()) + 1
+    nucleus = set(order[:nucleus_size].tolist())
+    drawn = set(_draws(row, SamplingParams(top_p=0.5), seed=0, steps=200))
+    assert nucleus_size > 1  # else this data would not test the cut
+    assert drawn <= nucleus and len(drawn) > 1
+
+
+def test_logprobs_of_sampled_token_and_top_alternatives() -> None:
+    logits = _logits(3)
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, logprobs=0),
+    ]
+    out = Sampler().sample(logits, params, [None] * 3)
+    assert out.logprobs is not None and out.logprobs[1] is None
+    expected = torch.log_softmax(logits, dim=-1)
+    first = out.logprobs[0]
+    assert first is not None and first.token_id == out.token_ids[0]
+    assert math.isclose(first.logprob, expected[0].max().item(), rel_tol=1e-5)
+    assert [t for t, _ in first.top] == expected[0].topk(3).indices.tolist()
+    assert [lp for _, lp in first.top] == sorted((lp for _, lp in first.top), reverse=True)
+    third = out.logprobs[2]
+    assert third is not None and third.top == []
+
+
+def test_mismatched_inputs_are_refused() -> None:
+    with pytest.raises(ValueError, match="one row per params"):
+        Sampler().sample(_logits(2), [SamplingParams()], [None])
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"seed": 2**64}, "seed"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": ("",)}, "stop"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+        ({"max_tokens": True}, "max_tokens"),
+    ],
+)
+def test_invalid_params_name_the_field(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidRequestError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_params_normalize_edge_inputs() -> None:
+    params = SamplingParams(stop="###", stop_token_ids=[5, 6], temperature=0)  # type: ignore[arg-type]
+    assert params.stop == ("###",) and params.stop_token_ids == (5, 6) and params.is_greedy
+    assert hash(params) == hash(SamplingParams(stop=("###",), stop_token_ids=(5, 6), temperature=0))
+    assert make_generator(None, "cpu") is None
+    assert make_generator(-1, "cpu") is not None  # negative seeds are accepted
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_seeded_sampling_on_cuda_matches_itself_across_batches() -> None:
+    logits = _logits(3).cuda()
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+    sampler = Sampler()
+    alone = [sampler.sample(logits[1:2], [params], [make_generator(7, "cuda")]).token_ids[0]]
+    gens = [None, make_generator(7, "cuda"), None]
+    batch = sampler.sample(logits, [SamplingParams(), params, SamplingParams(temperature=0)], gens)
+    assert batch.token_ids[1] == alone[0]
+    assert batch.token_ids[2] == logits[2].argmax().item()
