@@ -30,7 +30,11 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
     paths = {
         "llama": make_checkpoint(root / "llama", "llama", "tiny", seed=0),
         "qwen2": make_checkpoint(root / "qwen2", "qwen2", "tiny", seed=0),
-        "qwen2_tied": make_checkpoint(root / "qwen2_tied", "qwen2", "tiny", seed=1, tie_word_embeddings=True),
-        "llama_sharded": make_checkpoint(root / "llama_sharded", "llama", "tiny", seed=0, num_shards=3),
+        "qwen2_tied": make_checkpoint(
+            root / "qwen2_tied", "qwen2", "tiny", seed=1, tie_word_embeddings=True
+        ),
+        "llama_sharded": make_checkpoint(
+            root / "llama_sharded", "llama", "tiny", seed=0, num_shards=3
+        ),
     }
     return {name: str(path) for name, path in paths.items()}

@@ -103,7 +103,9 @@ def load_model(
         _load_file(loader, file, weight_files)
     loader.check_complete(str(root))
     if progress:
-        logger.info("loaded %s (%s, %s) with %s attention", root, config.architecture, dtype, backend.name)
+        logger.info(
+            "loaded %s (%s, %s) with %s attention", root, config.architecture, dtype, backend.name
+        )
     return model.eval(), config
 
 
@@ -123,7 +125,9 @@ def _load_file(loader: WeightLoader, file: Path, weight_files: WeightFiles) -> N
     try:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             present = set(handle.keys())
-            wanted = present if weight_files.names_by_file is None else weight_files.names_by_file[file]
+            wanted = (
+                present if weight_files.names_by_file is None else weight_files.names_by_file[file]
+            )
             for name in sorted(wanted):
                 if name not in present:
                     raise CheckpointError(

@@ -1,4 +1,4 @@
-"""Generates random-weight Llama/Qwen2 checkpoints in Hugging Face format, offline and deterministically.
+"""Generates random-weight Llama/Qwen2 checkpoints in Hugging Face format, offline, deterministic.
 
 Used by tests, benchmarks and `pdserve make-model`; transformers loads the result as-is.
 """
@@ -108,7 +108,9 @@ def count_parameters(config: dict[str, Any]) -> int:
     return sum(math.prod(shape) for shape in _weight_shapes(config).values())
 
 
-def _hf_config(family: str, shape: Shape, vocab_size: int, dtype: str, tied: bool, scaled: bool) -> dict[str, Any]:
+def _hf_config(
+    family: str, shape: Shape, vocab_size: int, dtype: str, tied: bool, scaled: bool
+) -> dict[str, Any]:
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM"],
         "model_type": family,
@@ -135,7 +137,9 @@ def _hf_config(family: str, shape: Shape, vocab_size: int, dtype: str, tied: boo
     if family == "llama":
         config.update(attention_bias=False, mlp_bias=False)
     else:
-        config.update(use_sliding_window=False, sliding_window=None, max_window_layers=shape.num_layers)
+        config.update(
+            use_sliding_window=False, sliding_window=None, max_window_layers=shape.num_layers
+        )
     return config
 
 
@@ -185,13 +189,17 @@ def _init_std(name: str, shape: tuple[int, ...]) -> float:
     return 1.0 / math.sqrt(fan_in)
 
 
-def _random_weights(config: dict[str, Any], seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _random_weights(
+    config: dict[str, Any], seed: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in _weight_shapes(config).items():
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
         if name.endswith("layernorm.weight"):
-            values = 1.0 + 0.1 * noise  # not all ones, so a mis-loaded norm shows up in parity tests
+            values = (
+                1.0 + 0.1 * noise
+            )  # not all ones, so a mis-loaded norm shows up in parity tests
         elif name == "model.norm.weight":
             values = _FINAL_NORM_GAIN * (1.0 + 0.1 * noise)
         else:
@@ -203,7 +211,7 @@ def _random_weights(config: dict[str, Any], seed: int, dtype: torch.dtype) -> di
 
 
 def _write_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int) -> None:
-    for stale in list(out.glob("model*.safetensors")) + [out / "model.safetensors.index.json"]:
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
         stale.unlink(missing_ok=True)  # a rerun with another shard count must not leave old files
     metadata = {"format": "pt"}
     if num_shards <= 1:
@@ -224,7 +232,10 @@ def _write_weights(out: Path, tensors: dict[str, torch.Tensor], num_shards: int)
         file_name = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: tensors[n] for n in shard}, str(out / file_name), metadata=metadata)
         weight_map.update({n: file_name for n in shard})
-    _write_json(out / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    _write_json(
+        out / "model.safetensors.index.json",
+        {"metadata": {"total_size": total}, "weight_map": weight_map},
+    )
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -11,7 +11,9 @@ from pdserve.engine.kv_layout import NAME_BY_DTYPE, KVLayout
 from pdserve.engine.model_config import ModelConfig
 
 
-def kv_layout_for(config: ModelConfig, model_fingerprint: str, dtype: torch.dtype, block_size: int) -> KVLayout:
+def kv_layout_for(
+    config: ModelConfig, model_fingerprint: str, dtype: torch.dtype, block_size: int
+) -> KVLayout:
     """The layout of a whole (unsharded) model's cache."""
     return KVLayout(
         model_fingerprint=model_fingerprint,
@@ -23,7 +25,9 @@ def kv_layout_for(config: ModelConfig, model_fingerprint: str, dtype: torch.dtyp
     )
 
 
-def allocate_kv_cache(layout: KVLayout, num_blocks: int, device: torch.device | str) -> torch.Tensor:
+def allocate_kv_cache(
+    layout: KVLayout, num_blocks: int, device: torch.device | str
+) -> torch.Tensor:
     """A zeroed cache of shape ``layout.cache_shape(num_blocks)`` and dtype ``layout.dtype``."""
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")

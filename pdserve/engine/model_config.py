@@ -44,19 +44,32 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES.values():
             raise UnsupportedArchitectureError(
-                f"architecture {self.architecture!r} unsupported; pdserve runs {sorted(ARCHITECTURES.values())}"
+                f"architecture {self.architecture!r} unsupported; pdserve runs "
+                f"{sorted(ARCHITECTURES.values())}"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
-                raise CheckpointError(f"model config field {name} must be positive, got {getattr(self, name)}")
+                raise CheckpointError(
+                    f"model config field {name} must be positive, got {getattr(self, name)}"
+                )
         if self.num_heads % self.num_kv_heads:
             raise CheckpointError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
-            raise CheckpointError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+            raise CheckpointError(
+                f"head_dim must be even for rotary embeddings, got {self.head_dim}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -80,7 +93,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(
-        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None, source: str = "config.json"
+        cls,
+        raw: dict[str, Any],
+        generation: dict[str, Any] | None = None,
+        source: str = "config.json",
     ) -> ModelConfig:
         """Build from the parsed contents of an HF config.json (see `from_checkpoint`)."""
         architecture = _architecture(raw, source)
@@ -88,7 +104,9 @@ class ModelConfig:
         num_heads = _required_int(raw, "num_attention_heads", source)
         hidden_size = _required_int(raw, "hidden_size", source)
         rope_theta, rope_scaling = _rope(raw, source)
-        eos_source = generation if generation and generation.get("eos_token_id") is not None else raw
+        eos_source = (
+            generation if generation and generation.get("eos_token_id") is not None else raw
+        )
         return cls(
             architecture=architecture,
             vocab_size=_required_int(raw, "vocab_size", source),
@@ -104,7 +122,9 @@ class ModelConfig:
             max_position_embeddings=_required_int(raw, "max_position_embeddings", source),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 always has q/k/v biases; Llama has them (and an o_proj bias) only on request.
-            attention_bias=True if architecture == "qwen2" else bool(raw.get("attention_bias", False)),
+            attention_bias=True
+            if architecture == "qwen2"
+            else bool(raw.get("attention_bias", False)),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_token_ids(eos_source.get("eos_token_id")),
         )
@@ -113,7 +133,9 @@ class ModelConfig:
 def _read_json(file: Path, required: bool) -> dict[str, Any]:
     if not file.is_file():
         if required:
-            raise CheckpointError(f"{file} not found: a checkpoint directory needs a Hugging Face config.json")
+            raise CheckpointError(
+                f"{file} not found: a checkpoint directory needs a Hugging Face config.json"
+            )
         return {}
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
@@ -141,12 +163,15 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
 def _reject_unsupported_features(raw: dict[str, Any], architecture: str, source: str) -> None:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
-        raise UnsupportedArchitectureError(f"{source}: hidden_act {act!r} unsupported; only 'silu' is implemented")
+        raise UnsupportedArchitectureError(
+            f"{source}: hidden_act {act!r} unsupported; only 'silu' is implemented"
+        )
     if raw.get("mlp_bias"):
         raise UnsupportedArchitectureError(f"{source}: mlp_bias=true is not implemented")
     if architecture == "qwen2" and raw.get("use_sliding_window"):
         raise UnsupportedArchitectureError(
-            f"{source}: use_sliding_window=true is not implemented; set it to false to serve this model"
+            f"{source}: use_sliding_window=true is not implemented; "
+            "set it to false to serve this model"
         )
 
 
@@ -158,15 +183,18 @@ def _required_int(raw: dict[str, Any], name: str, source: str) -> int:
 
 
 def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """Accept both the legacy (rope_theta + rope_scaling) and transformers-5 (rope_parameters) forms."""
+    """Accept the legacy (rope_theta + rope_scaling) and transformers-5 (rope_parameters) forms."""
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, dict):
-        raise CheckpointError(f"{source}: rope_scaling/rope_parameters must be an object, got {params!r}")
+        raise CheckpointError(
+            f"{source}: rope_scaling/rope_parameters must be an object, got {params!r}"
+        )
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedArchitectureError(
-            f"{source}: rope type {rope_type!r} unsupported; pdserve implements {list(SUPPORTED_ROPE_TYPES)}"
+            f"{source}: rope type {rope_type!r} unsupported; pdserve implements "
+            f"{list(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
         return theta, None
@@ -176,7 +204,9 @@ def _rope(raw: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         if key == "original_max_position_embeddings" and value is None:
             value = raw.get("max_position_embeddings")  # what transformers assumes when absent
         if not isinstance(value, (int, float)):
-            raise CheckpointError(f"{source}: llama3 rope scaling needs a numeric {key!r}, got {value!r}")
+            raise CheckpointError(
+                f"{source}: llama3 rope scaling needs a numeric {key!r}, got {value!r}"
+            )
         scaling[key] = value
     return theta, scaling
 

@@ -1,4 +1,4 @@
-"""Tokenizer of a checkpoint: `tokenizers` encode/decode, the chat template, streaming detokenization.
+"""A checkpoint's tokenizer: encode/decode, the chat template, streaming detokenization.
 
 Matches transformers' AutoTokenizer on the same files (encode, decode, apply_chat_template).
 """
@@ -18,7 +18,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from pdserve.engine.errors import CheckpointError, InvalidRequestError
 
-_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -26,10 +34,17 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # Jinja's own tojson escapes HTML characters; chat templates expect plain JSON.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:
@@ -38,7 +53,9 @@ def _strftime_now(fmt: str) -> str:
 
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile in a sandbox with the environment transformers gives chat templates."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -46,7 +63,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 class Tokenizer:
-    """A checkpoint's tokenizer.json plus what tokenizer_config.json adds (chat template, specials)."""
+    """tokenizer.json plus what tokenizer_config.json adds (chat template, special tokens)."""
 
     def __init__(
         self,
@@ -67,16 +84,25 @@ class Tokenizer:
         root = Path(path)
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise CheckpointError(f"{tokenizer_file} not found: pdserve needs a fast-tokenizer tokenizer.json")
+            raise CheckpointError(
+                f"{tokenizer_file} not found: pdserve needs a fast-tokenizer tokenizer.json"
+            )
         try:
             backend = HFTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the Rust binding raises plain Exception subclasses
             raise CheckpointError(f"cannot load {tokenizer_file}: {exc}") from exc
         config = _read_optional_json(root / "tokenizer_config.json")
         special_tokens = {
-            name: _token_content(config[name]) for name in _SPECIAL_TOKEN_NAMES if config.get(name) is not None
+            name: _token_content(config[name])
+            for name in _SPECIAL_TOKEN_NAMES
+            if config.get(name) is not None
         }
-        return cls(backend, _chat_template(root, config), special_tokens, _eos_ids(root, backend, special_tokens))
+        return cls(
+            backend,
+            _chat_template(root, config),
+            special_tokens,
+            _eos_ids(root, backend, special_tokens),
+        )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -91,11 +117,14 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` as transformers' AutoTokenizer.apply_chat_template(tokenize=False) does."""
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render `messages` as AutoTokenizer.apply_chat_template(tokenize=False) does."""
         if self._chat_template is None:
             raise InvalidRequestError(
-                "this model's tokenizer_config.json has no chat_template; send a plain completion instead"
+                "this model's tokenizer_config.json has no chat_template; "
+                "send a plain completion instead"
             )
         # transformers drops None-valued keys; it passes only the special tokens that are set.
         cleaned = [{k: v for k, v in message.items() if v is not None} for message in messages]
@@ -128,7 +157,11 @@ def _chat_template(root: Path, config: dict[str, Any]) -> str | None:
         return standalone.read_text(encoding="utf-8")
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        named = {
+            entry.get("name"): entry.get("template")
+            for entry in template
+            if isinstance(entry, dict)
+        }
         template = named.get("default")
     return template if isinstance(template, str) else None
 

@@ -1,4 +1,4 @@
-"""Trains the byte-level BPE tokenizer that generated checkpoints ship, offline and deterministically.
+"""Trains the byte-level BPE tokenizer that generated checkpoints ship (offline, deterministic).
 
 Text: the shipped multilingual corpus plus pseudo-words drawn from a fixed-seed generator.
 """
@@ -35,7 +35,11 @@ _FOREIGN = ("é", "ü", "ñ", "ø", "ç", "ł", "ж", "ю", "λ", "ß", "水", "
 
 def corpus_text() -> str:
     """The multilingual text shipped with the package."""
-    return resources.files("pdserve.engine").joinpath("corpus/mixed_text.txt").read_text(encoding="utf-8")
+    return (
+        resources.files("pdserve.engine")
+        .joinpath("corpus/mixed_text.txt")
+        .read_text(encoding="utf-8")
+    )
 
 
 def _pick(rng: random.Random, options: str | tuple[str, ...]) -> str:
@@ -101,8 +105,12 @@ def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> int:
     tokenizer.save(str(out_dir / "tokenizer.json"), pretty=False)
     added = {
         str(tokenizer.token_to_id(token)): {
-            "content": token, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for token in SPECIAL_TOKENS
     }
@@ -117,5 +125,7 @@ def write_tokenizer(out_dir: Path, vocab_size: int, max_length: int) -> int:
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(config, indent=2) + "\n", encoding="utf-8"
+    )
     return tokenizer.get_vocab_size()

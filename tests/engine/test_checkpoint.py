@@ -16,7 +16,12 @@ from safetensors.torch import load_file, save_file
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.checkpoint import INDEX_FILE, SINGLE_FILE, load_model
 from pdserve.engine.errors import CheckpointError, UnsupportedArchitectureError
-from pdserve.engine.kv_cache import allocate_kv_cache, kv_cache_bytes, kv_layout_for, num_blocks_for_budget
+from pdserve.engine.kv_cache import (
+    allocate_kv_cache,
+    kv_cache_bytes,
+    kv_layout_for,
+    num_blocks_for_budget,
+)
 from pdserve.engine.model_config import ModelConfig
 
 
@@ -34,7 +39,9 @@ def edit_json(path: Path, **changes: object) -> None:
 
 def test_config_fields(tiny_checkpoints: dict[str, str]) -> None:
     llama = ModelConfig.from_checkpoint(tiny_checkpoints["llama"])
-    assert llama.architecture == "llama" and not llama.attention_bias and not llama.tie_word_embeddings
+    assert (
+        llama.architecture == "llama" and not llama.attention_bias and not llama.tie_word_embeddings
+    )
     assert llama.rope_scaling is not None and llama.rope_scaling["rope_type"] == "llama3"
     assert llama.num_heads % llama.num_kv_heads == 0 and llama.num_kv_heads < llama.num_heads
     assert llama.max_position_embeddings >= 2048
@@ -45,32 +52,36 @@ def test_config_fields(tiny_checkpoints: dict[str, str]) -> None:
     assert hash(qwen) == hash(ModelConfig.from_checkpoint(tiny_checkpoints["qwen2_tied"]))
 
 
-def test_transformers5_rope_parameters_form(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
+def test_transformers5_rope_parameters_form(
+    tiny_checkpoints: dict[str, str], tmp_path: Path
+) -> None:
     path = broken_copy(tiny_checkpoints, "llama", tmp_path)
     raw = json.loads((path / "config.json").read_text())
     raw["rope_parameters"] = {**raw.pop("rope_scaling"), "rope_theta": raw.pop("rope_theta")}
     (path / "config.json").write_text(json.dumps(raw))
-    assert ModelConfig.from_checkpoint(path) == ModelConfig.from_checkpoint(tiny_checkpoints["llama"])
+    assert ModelConfig.from_checkpoint(path) == ModelConfig.from_checkpoint(
+        tiny_checkpoints["llama"]
+    )
 
 
 def test_missing_config(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
     path = broken_copy(tiny_checkpoints, "llama", tmp_path)
     (path / "config.json").unlink()
-    with pytest.raises(CheckpointError, match="config.json"):
+    with pytest.raises(CheckpointError, match=r"config\.json"):
         load_model(path, torch.float32)
 
 
 def test_missing_weights_file(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
     path = broken_copy(tiny_checkpoints, "llama", tmp_path)
     (path / SINGLE_FILE).unlink()
-    with pytest.raises(CheckpointError, match="model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
         load_model(path, torch.float32)
 
 
 def test_missing_shard_file(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
     path = broken_copy(tiny_checkpoints, "llama_sharded", tmp_path)
     (path / "model-00002-of-00003.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="model-00002-of-00003.safetensors"):
+    with pytest.raises(CheckpointError, match=r"model-00002-of-00003\.safetensors"):
         load_model(path, torch.float32)
 
 
@@ -99,7 +110,9 @@ def test_tensor_missing_from_single_file(tiny_checkpoints: dict[str, str], tmp_p
     tensors = load_file(path / SINGLE_FILE)
     del tensors["model.layers.0.self_attn.k_proj.bias"]
     save_file(tensors, path / SINGLE_FILE, metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"missing tensors model\.layers\.0\.self_attn\.k_proj\.bias"):
+    with pytest.raises(
+        CheckpointError, match=r"missing tensors model\.layers\.0\.self_attn\.k_proj\.bias"
+    ):
         load_model(path, torch.float32)
 
 
@@ -151,7 +164,9 @@ def test_tied_embeddings_share_the_weight(tiny_checkpoints: dict[str, str]) -> N
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_reduced_precision_loads_and_runs(tiny_checkpoints: dict[str, str], dtype: torch.dtype) -> None:
+def test_reduced_precision_loads_and_runs(
+    tiny_checkpoints: dict[str, str], dtype: torch.dtype
+) -> None:
     reference, config = load_model(tiny_checkpoints["qwen2"], torch.float32)
     model, _ = load_model(tiny_checkpoints["qwen2"], dtype)
     assert all(p.dtype == dtype for p in model.parameters())
@@ -165,7 +180,9 @@ def test_reduced_precision_loads_and_runs(tiny_checkpoints: dict[str, str], dtyp
         logits.append(net.compute_logits(net(ids, torch.arange(length), cache, metadata)))
     assert logits[1].dtype == torch.float32 and torch.isfinite(logits[1]).all()
     agreement = (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean().item()
-    assert agreement >= 0.8, f"{dtype} argmax agrees with float32 on only {agreement:.0%} of positions"
+    assert agreement >= 0.8, (
+        f"{dtype} argmax agrees with float32 on only {agreement:.0%} of positions"
+    )
 
 
 def test_kv_cache_helpers(tiny_checkpoints: dict[str, str]) -> None:

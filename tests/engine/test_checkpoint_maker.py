@@ -33,7 +33,9 @@ def test_same_seed_gives_identical_files(tmp_path: Path) -> None:
     assert elapsed < 5.0, f"tiny checkpoint took {elapsed:.1f}s"
 
 
-def test_fingerprint_tracks_seed_and_dtype(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
+def test_fingerprint_tracks_seed_and_dtype(
+    tiny_checkpoints: dict[str, str], tmp_path: Path
+) -> None:
     llama = tiny_checkpoints["llama"]
     base = model_fingerprint(llama, torch.float32)
     assert base == model_fingerprint(llama, torch.float32)
@@ -50,7 +52,10 @@ def test_fingerprint_is_stable_across_processes(tiny_checkpoints: dict[str, str]
         "print(model_fingerprint(sys.argv[1], torch.float32))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, tiny_checkpoints["llama"]], capture_output=True, text=True, check=True
+        [sys.executable, "-c", code, tiny_checkpoints["llama"]],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == model_fingerprint(tiny_checkpoints["llama"], torch.float32)
 
@@ -64,28 +69,45 @@ def test_tiny_shapes(tiny_checkpoints: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen2_tied"])
-def test_transformers_loads_and_greedy_output_varies(tiny_checkpoints: dict[str, str], family: str) -> None:
+def test_transformers_loads_and_greedy_output_varies(
+    tiny_checkpoints: dict[str, str], family: str
+) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tiny_checkpoints[family]
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hello! Wie geht's? 你好 🙂"}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": "Hello! Wie geht's? 你好 🙂"}],
+        tokenize=False,
+        add_generation_prompt=True,
     )
     ids = torch.tensor([tokenizer.encode(text)])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=100,
-                             do_sample=False, pad_token_id=0, eos_token_id=None)
-    generated = out[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=100,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
+    generated = out[0, ids.shape[1] :].tolist()
     longest_run = max(len(list(run)) for _, run in itertools.groupby(generated))
     assert len(set(generated)) >= 20, generated
     if family != "qwen2_tied":  # random tied embeddings repeat more; untied defaults must not
         assert longest_run <= 10, generated
 
 
-def test_cli_writes_a_sharded_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main_make_model([str(tmp_path / "m"), "--family", "qwen2", "--shards", "2", "--dtype", "bfloat16"]) == 0
+def test_cli_writes_a_sharded_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main_make_model(
+            [str(tmp_path / "m"), "--family", "qwen2", "--shards", "2", "--dtype", "bfloat16"]
+        )
+        == 0
+    )
     assert "parameters" in capsys.readouterr().out
     assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
     model, config = load_model(tmp_path / "m", torch.bfloat16)

@@ -30,7 +30,9 @@ def models(tiny_checkpoints: dict[str, str], family: str) -> tuple[CausalLM, tor
     from transformers import AutoModelForCausalLM
 
     ours, _ = load_model(tiny_checkpoints[family], torch.float32)
-    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[family], dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoints[family], dtype=torch.float32
+    ).eval()
     return ours, reference  # type: ignore[return-value]
 
 
@@ -42,7 +44,9 @@ def prompts(models: tuple[CausalLM, torch.nn.Module]) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference_logits(models: tuple[CausalLM, torch.nn.Module], prompts: list[torch.Tensor]) -> list[torch.Tensor]:
+def reference_logits(
+    models: tuple[CausalLM, torch.nn.Module], prompts: list[torch.Tensor]
+) -> list[torch.Tensor]:
     with torch.inference_mode():
         return [models[1](p[None]).logits[0].float() for p in prompts]
 
@@ -54,7 +58,9 @@ def garbage_cache(model: CausalLM, num_blocks: int, block_size: int) -> torch.Te
     return torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 100
 
 
-def shuffled_block_tables(lengths: list[int], block_size: int, seed: int) -> tuple[list[list[int]], int]:
+def shuffled_block_tables(
+    lengths: list[int], block_size: int, seed: int
+) -> tuple[list[list[int]], int]:
     """Non-contiguous, shuffled block ids for each sequence, from a pool with spare blocks."""
     needed = [-(-n // block_size) for n in lengths]
     num_blocks = sum(needed) + 7
@@ -96,7 +102,9 @@ def test_whole_prompts_in_one_step(models, prompts, reference_logits, block_size
     tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=block_size)
     cache = garbage_cache(model, num_blocks, block_size)
     spans = [(s, 0, n) for s, n in enumerate(LENGTHS)]
-    for (s, _, _), logits in zip(spans, run_step(model, cache, prompts, spans, tables, block_size)):
+    for (s, _, _), logits in zip(
+        spans, run_step(model, cache, prompts, spans, tables, block_size), strict=True
+    ):
         diff = (logits - reference_logits[s]).abs().max().item()
         assert diff <= TOLERANCE, f"sequence of {LENGTHS[s]} tokens: max |logit diff| {diff:.2e}"
 
@@ -113,7 +121,11 @@ def chunk_schedule(length: int, block_size: int, num_decode: int = 3) -> list[in
 
 
 def run_schedule(
-    model: CausalLM, cache: torch.Tensor, prompts: list[torch.Tensor], tables: list[list[int]], block_size: int
+    model: CausalLM,
+    cache: torch.Tensor,
+    prompts: list[torch.Tensor],
+    tables: list[list[int]],
+    block_size: int,
 ) -> tuple[list[torch.Tensor], bool]:
     """Feed every prompt by `chunk_schedule`, all sequences stepping together.
 
@@ -125,10 +137,15 @@ def run_schedule(
     collected: list[list[torch.Tensor]] = [[] for _ in prompts]
     saw_mixed_batch = False
     for step in range(max(len(s) for s in schedules)):
-        spans = [(s, done[s], done[s] + sched[step]) for s, sched in enumerate(schedules) if step < len(sched)]
+        spans = [
+            (s, done[s], done[s] + sched[step])
+            for s, sched in enumerate(schedules)
+            if step < len(sched)
+        ]
         sizes = {stop - start for _, start, stop in spans}
         saw_mixed_batch |= 1 in sizes and len(sizes) > 1
-        for (s, _, stop), logits in zip(spans, run_step(model, cache, prompts, spans, tables, block_size)):
+        step_logits = run_step(model, cache, prompts, spans, tables, block_size)
+        for (s, _, stop), logits in zip(spans, step_logits, strict=True):
             collected[s].append(logits)
             done[s] = stop
     return [torch.cat(pieces) for pieces in collected], saw_mixed_batch
@@ -153,7 +170,9 @@ def test_decode_batch_matches_one_by_one(models, prompts) -> None:
     cache = garbage_cache(model, num_blocks, block_size)
     prefix = [(s, 0, n - 1) for s, n in enumerate(LENGTHS) if n > 1]
     run_step(model, cache, prompts, prefix, tables, block_size)
-    batched = run_step(model, cache, prompts, [(s, n - 1, n) for s, n in enumerate(LENGTHS)], tables, block_size)
+    batched = run_step(
+        model, cache, prompts, [(s, n - 1, n) for s, n in enumerate(LENGTHS)], tables, block_size
+    )
     for s, n in enumerate(LENGTHS):
         alone = run_step(model, cache, prompts, [(s, n - 1, n)], tables, block_size)[0]
         assert torch.allclose(batched[s], alone, atol=TOLERANCE, rtol=0)
@@ -171,9 +190,13 @@ def test_layer_hook_fires_after_each_layers_kv_write(models, prompts) -> None:
 
     def hook(layer: int) -> None:
         written = flat[layer][:, metadata.slot_mapping]
-        assert bool((written != 0).any(dim=(2, 3)).all()), f"layer {layer}: K/V not written when the hook fired"
+        assert bool((written != 0).any(dim=(2, 3)).all()), (
+            f"layer {layer}: K/V not written when the hook fired"
+        )
         if layer + 1 < c.num_layers:
-            assert bool((flat[layer + 1] == 0).all()), f"layer {layer + 1} written before hook({layer})"
+            assert bool((flat[layer + 1] == 0).all()), (
+                f"layer {layer + 1} written before hook({layer})"
+            )
         fired.append(layer)
 
     input_ids = torch.cat([prompts[2][:33], prompts[1][:7]])
@@ -205,19 +228,31 @@ def _flash_available() -> bool:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _flash_available(), reason="needs a CUDA GPU with flash-attn installed")
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_flash_backend_matches_torch_backend(tiny_checkpoints: dict[str, str], block_size: int) -> None:
+def test_flash_backend_matches_torch_backend(
+    tiny_checkpoints: dict[str, str], block_size: int
+) -> None:
     from pdserve.engine.attention.flash_backend import FlashAttentionBackend
 
     model, config = load_model(tiny_checkpoints["llama"], torch.bfloat16, "cuda")
     assert isinstance(model.attention_backend, FlashAttentionBackend)
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).cuda() for n in LENGTHS]
+    prompts = [
+        torch.randint(0, config.vocab_size, (n,), generator=generator).cuda() for n in LENGTHS
+    ]
     tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=2)
     results = []
     for backend in (FlashAttentionBackend(), TorchAttentionBackend()):
         model.attention_backend = backend
-        cache = torch.zeros(config.num_layers, 2, num_blocks, block_size, config.num_kv_heads,
-                            config.head_dim, dtype=torch.bfloat16, device="cuda")
+        cache = torch.zeros(
+            config.num_layers,
+            2,
+            num_blocks,
+            block_size,
+            config.num_kv_heads,
+            config.head_dim,
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
         logits, _ = run_schedule(model, cache, prompts, tables, block_size)
         results.append(torch.cat(logits))
     # bf16 kernels differ in summation order; require close logits and (nearly) equal argmax.

@@ -35,7 +35,9 @@ CONVERSATIONS = [
     ],
 ]
 # Any character except lone surrogates (not encodable) and U+FFFD itself (ambiguous in output).
-TEXT_STRATEGY = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"), max_size=40)
+TEXT_STRATEGY = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\ufffd"), max_size=40
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,7 @@ def ours(path: str) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def theirs(path: str):  # noqa: ANN201 - transformers type
+def theirs(path: str):  # returns a transformers tokenizer
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
@@ -57,35 +59,54 @@ def theirs(path: str):  # noqa: ANN201 - transformers type
 
 @pytest.mark.parametrize("text", TEXTS)
 @pytest.mark.parametrize("add_special_tokens", [False, True])
-def test_encode_decode_match_transformers(ours: Tokenizer, theirs, text: str, add_special_tokens: bool) -> None:
+def test_encode_decode_match_transformers(
+    ours: Tokenizer, theirs, text: str, add_special_tokens: bool
+) -> None:
     ids = ours.encode(text, add_special_tokens=add_special_tokens)
     assert ids == theirs.encode(text, add_special_tokens=add_special_tokens)
     for skip in (False, True):
-        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(
+            ids, skip_special_tokens=skip
+        )
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(ours: Tokenizer, theirs, messages, add_generation_prompt: bool) -> None:
-    expected = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    assert ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+def test_chat_template_matches_transformers(
+    ours: Tokenizer, theirs, messages, add_generation_prompt: bool
+) -> None:
+    expected = theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+    assert (
+        ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
+    )
 
 
 def test_special_ids_and_vocab(ours: Tokenizer, theirs) -> None:
     assert ours.vocab_size == len(theirs)
-    assert ours.eos_token_ids == (theirs.convert_tokens_to_ids("<|im_end|>"), theirs.convert_tokens_to_ids("<|endoftext|>"))
+    assert ours.eos_token_ids == (
+        theirs.convert_tokens_to_ids("<|im_end|>"),
+        theirs.convert_tokens_to_ids("<|endoftext|>"),
+    )
     assert ours.encode("<|im_start|>") == [ours.token_to_id("<|im_start|>")]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=TEXT_STRATEGY)
-def test_random_text_encodes_like_transformers_and_round_trips(ours: Tokenizer, theirs, text: str) -> None:
+def test_random_text_encodes_like_transformers_and_round_trips(
+    ours: Tokenizer, theirs, text: str
+) -> None:
     ids = ours.encode(text)
     assert ids == theirs.encode(text, add_special_tokens=False)
     assert ours.decode(ids) == text  # byte-level BPE is lossless
 
 
-def stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> tuple[list[str], str]:
+def stream(
+    tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = True
+) -> tuple[list[str], str]:
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
     pieces = [detok.add(i) for i in ids]
     pieces.append(detok.flush())
@@ -93,7 +114,9 @@ def stream(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool = Tru
     return pieces, detok.text
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(text=TEXT_STRATEGY)
 def test_streaming_valid_text_never_emits_replacement_chars(ours: Tokenizer, text: str) -> None:
     pieces, full = stream(ours, ours.encode(text))
@@ -101,9 +124,13 @@ def test_streaming_valid_text_never_emits_replacement_chars(ours: Tokenizer, tex
     assert not any("\ufffd" in piece for piece in pieces)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(ids=st.lists(st.integers(min_value=0, max_value=1023), max_size=40), skip=st.booleans())
-def test_streaming_random_ids_equals_full_decode(ours: Tokenizer, ids: list[int], skip: bool) -> None:
+def test_streaming_random_ids_equals_full_decode(
+    ours: Tokenizer, ids: list[int], skip: bool
+) -> None:
     _, full = stream(ours, ids, skip_special_tokens=skip)
     assert full == ours.decode(ids, skip_special_tokens=skip)
 
@@ -121,13 +148,17 @@ def test_multibyte_character_split_across_tokens_is_held_back(ours: Tokenizer) -
         assert any(ch in piece for piece in pieces)
 
 
-def test_chat_template_errors_are_invalid_requests(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
+def test_chat_template_errors_are_invalid_requests(
+    tiny_checkpoints: dict[str, str], tmp_path: Path
+) -> None:
     target = tmp_path / "tok"
     target.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (target / name).write_bytes((Path(tiny_checkpoints["qwen2"]) / name).read_bytes())
     config = json.loads((target / "tokenizer_config.json").read_text())
-    config["chat_template"] = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok"
+    config["chat_template"] = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}ok"
+    )
     (target / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = Tokenizer.from_checkpoint(target)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"

@@ -14,7 +14,7 @@ from pdserve.engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(ABC):
-    """Paged attention over one layer's cache slice ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+    """Paged attention over one layer's cache ``[2, num_blocks, block_size, kv_heads, head_dim]``.
 
     Per forward step the model calls `prepare` once, then per layer `write_kv` followed by
     `attend`. `prepare` turns the step's metadata into whatever index tensors the backend
@@ -24,13 +24,17 @@ class AttentionBackend(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    def prepare(self, metadata: AttentionMetadata, block_size: int) -> Any:
-        """Per-step plan, computed once and handed back to `attend` for every layer."""
+    def prepare(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> Any:
+        """Per-step plan for queries of `dtype`, computed once and handed to `attend` per layer."""
 
     def write_kv(
-        self, layer_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata
+        self,
+        layer_cache: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        metadata: AttentionMetadata,
     ) -> None:
-        """Store new K and V ``[T, kv_heads, head_dim]`` at ``metadata.slot_mapping`` (one copy each)."""
+        """Store new K and V ``[T, kv_heads, head_dim]`` at ``metadata.slot_mapping``."""
         num_blocks, block_size, kv_heads, head_dim = layer_cache.shape[1:]
         flat = layer_cache.view(2, num_blocks * block_size, kv_heads, head_dim)
         flat[0].index_copy_(0, metadata.slot_mapping, key.to(layer_cache.dtype))

@@ -32,12 +32,16 @@ class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
 
     def __init__(self) -> None:
-        from flash_attn import flash_attn_varlen_func  # noqa: PLC0415 - optional GPU dependency
+        from flash_attn import flash_attn_varlen_func  # optional GPU dependency
 
         self._varlen: Callable[..., torch.Tensor] = flash_attn_varlen_func
-        self._supports_block_table = "block_table" in inspect.signature(flash_attn_varlen_func).parameters
+        self._supports_block_table = (
+            "block_table" in inspect.signature(flash_attn_varlen_func).parameters
+        )
 
-    def prepare(self, metadata: AttentionMetadata, block_size: int) -> FlashAttentionPlan:
+    def prepare(
+        self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype
+    ) -> FlashAttentionPlan:
         device = metadata.seq_lens_tensor.device
         cu_seqlens_k = torch.zeros(metadata.num_seqs + 1, dtype=torch.int32, device=device)
         torch.cumsum(metadata.seq_lens_tensor, 0, out=cu_seqlens_k[1:])
@@ -74,12 +78,16 @@ class FlashAttentionBackend(AttentionBackend):
         return self._varlen(query, keys, values, **common)
 
 
-def _context_slots(metadata: AttentionMetadata, cu_seqlens_k: torch.Tensor, block_size: int) -> torch.Tensor:
+def _context_slots(
+    metadata: AttentionMetadata, cu_seqlens_k: torch.Tensor, block_size: int
+) -> torch.Tensor:
     """Cache slot of every context position of every sequence, sequence after sequence."""
     device = cu_seqlens_k.device
     total = sum(metadata.seq_lens)
     seq_of_position = torch.repeat_interleave(
-        torch.arange(metadata.num_seqs, device=device), metadata.seq_lens_tensor.long(), output_size=total
+        torch.arange(metadata.num_seqs, device=device),
+        metadata.seq_lens_tensor.long(),
+        output_size=total,
     )
     positions = torch.arange(total, device=device) - cu_seqlens_k[:-1].long()[seq_of_position]
     blocks = metadata.block_tables.long()[seq_of_position, positions // block_size]

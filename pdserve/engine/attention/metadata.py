@@ -48,12 +48,13 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
-        """Derive the tensors from per-sequence lengths and block ids (vectorised, no per-token loop)."""
+        """Derive the tensors from per-sequence lengths and block ids (vectorised)."""
         _validate(query_lens, seq_lens, block_tables, block_size)
         num_seqs = len(query_lens)
         max_blocks = max(len(row) for row in block_tables)
         table = torch.tensor(
-            [row + [BLOCK_TABLE_PAD] * (max_blocks - len(row)) for row in block_tables], dtype=torch.int64
+            [row + [BLOCK_TABLE_PAD] * (max_blocks - len(row)) for row in block_tables],
+            dtype=torch.int64,
         )
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
@@ -89,7 +90,7 @@ def _validate(
         )
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    for s, (q_len, s_len, row) in enumerate(zip(query_lens, seq_lens, block_tables)):
+    for s, (q_len, s_len, row) in enumerate(zip(query_lens, seq_lens, block_tables, strict=True)):
         if not 0 < q_len <= s_len:
             raise ValueError(f"sequence {s}: need 0 < query_len ({q_len}) <= seq_len ({s_len})")
         if len(row) * block_size < s_len:

@@ -32,7 +32,9 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
         # HF Llama's attention_bias also covers o_proj; Qwen2 never has an o_proj bias.
         o_bias = config.attention_bias and config.architecture == "llama"
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
@@ -51,7 +53,9 @@ class Attention(nn.Module):
         q, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
         k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
-        backend.write_kv(layer_cache, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), metadata)
+        backend.write_kv(
+            layer_cache, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), metadata
+        )
         if layer_hook is not None:
             layer_hook(self.layer_index)
         out = backend.attend(q.contiguous(), layer_cache, metadata, plan, self.scale)
@@ -90,7 +94,9 @@ class CausalLM(nn.Module):
     (see `KVLayout`); layer ``i`` reads and writes ``kv_cache[i]``.
     """
 
-    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, attention_backend: AttentionBackend | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.attention_backend = attention_backend or TorchAttentionBackend()
@@ -117,18 +123,22 @@ class CausalLM(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, hidden.dtype)
-        plan = self.attention_backend.prepare(attn_metadata, kv_cache.shape[3])
+        plan = self.attention_backend.prepare(attn_metadata, kv_cache.shape[3], hidden.dtype)
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, rope, kv_cache[i], self.attention_backend, attn_metadata, plan, layer_hook)
+            hidden = layer(
+                hidden, rope, kv_cache[i], self.attention_backend, attn_metadata, plan, layer_hook
+            )
         return self.norm(hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 [N, vocab]. The matmul runs in the model dtype, as in transformers."""
+        """[N, hidden] -> float32 [N, vocab]; matmul in the model dtype, as transformers does."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden_states, weight).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "weights") -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "weights"
+    ) -> None:
         """Copy HF-named tensors into the (fused) parameters; every expected tensor must arrive."""
         loader = WeightLoader(self, self.config)
         loader.load_all(weights, source)

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
     """float32 [head_dim // 2] inverse frequencies, llama3-rescaled when `scaling` asks for it."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
@@ -38,7 +40,7 @@ def _llama3_rescale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
 
 
 class RotaryEmbedding:
-    """cos/sin tables for given positions; holds no parameters (safe to build on the meta device)."""
+    """cos/sin tables for given positions; no parameters (safe to build on the meta device)."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None) -> None:
         self._inv_freq_cpu = inverse_frequencies(head_dim, theta, scaling)
@@ -51,8 +53,10 @@ class RotaryEmbedding:
             self._inv_freq_by_device[device] = cached
         return cached
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, head_dim] cos and sin for int64 `positions` [T], computed in float32, cast to `dtype`."""
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, head_dim] cos and sin of int64 `positions` [T]: float32 math, cast to `dtype`."""
         freqs = positions.float()[:, None] * self._inv_freq(positions.device)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)

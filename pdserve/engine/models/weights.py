@@ -20,7 +20,7 @@ _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where one HF tensor goes: rows [row_start, row_start + rows) of `param` (all rows if None)."""
+    """Where one HF tensor goes: rows [row_start, row_start + rows) of `param` (None: all)."""
 
     param: str
     row_start: int = 0
@@ -37,7 +37,9 @@ def weight_targets(config: ModelConfig) -> dict[str, WeightTarget]:
     if not config.tie_word_embeddings:
         targets["lm_head.weight"] = WeightTarget("lm_head.weight")
     qkv_params = ["weight"] + (["bias"] if config.attention_bias else [])
-    o_params = ["weight"] + (["bias"] if config.attention_bias and config.architecture == "llama" else [])
+    o_params = ["weight"] + (
+        ["bias"] if config.attention_bias and config.architecture == "llama" else []
+    )
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -49,15 +51,21 @@ def weight_targets(config: ModelConfig) -> dict[str, WeightTarget]:
             targets[f"{hf}self_attn.v_proj.{kind}"] = WeightTarget(fused, q + kv, kv)
         for kind in o_params:
             targets[f"{hf}self_attn.o_proj.{kind}"] = WeightTarget(f"{ours}self_attn.o_proj.{kind}")
-        targets[f"{hf}mlp.gate_proj.weight"] = WeightTarget(f"{ours}mlp.gate_up_proj.weight", 0, inter)
-        targets[f"{hf}mlp.up_proj.weight"] = WeightTarget(f"{ours}mlp.gate_up_proj.weight", inter, inter)
+        targets[f"{hf}mlp.gate_proj.weight"] = WeightTarget(
+            f"{ours}mlp.gate_up_proj.weight", 0, inter
+        )
+        targets[f"{hf}mlp.up_proj.weight"] = WeightTarget(
+            f"{ours}mlp.gate_up_proj.weight", inter, inter
+        )
         targets[f"{hf}mlp.down_proj.weight"] = WeightTarget(f"{ours}mlp.down_proj.weight")
     return targets
 
 
 def is_ignored(name: str, config: ModelConfig) -> bool:
     """Tensors a checkpoint may hold that are not loaded (tied lm_head, cached rope tables)."""
-    return name.endswith(_IGNORED_SUFFIXES) or (config.tie_word_embeddings and name == "lm_head.weight")
+    return name.endswith(_IGNORED_SUFFIXES) or (
+        config.tie_word_embeddings and name == "lm_head.weight"
+    )
 
 
 class WeightLoader:
@@ -81,15 +89,22 @@ class WeightLoader:
         if name in self._loaded:
             raise CheckpointError(f"{source}: tensor {name!r} appears more than once")
         param = self._params[target.param]
-        dest = param.data if target.rows is None else param.data.narrow(0, target.row_start, target.rows)
+        dest = (
+            param.data
+            if target.rows is None
+            else param.data.narrow(0, target.row_start, target.rows)
+        )
         if tuple(tensor.shape) != tuple(dest.shape):
             raise CheckpointError(
-                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
+                f"{source}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the config implies {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
         self._loaded.add(name)
 
-    def load_all(self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint") -> None:
+    def load_all(
+        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "checkpoint"
+    ) -> None:
         for name, tensor in weights:
             self.load(name, tensor, source)
 
@@ -99,5 +114,7 @@ class WeightLoader:
     def check_complete(self, source: str = "checkpoint") -> None:
         missing = self.missing()
         if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
             raise CheckpointError(f"{source}: missing tensors {shown}")
