@@ -58,6 +58,7 @@ class KVStats:
     num_running: int
     num_awaiting_kv: int
     num_prefilled: int
+    num_aborted: int
 
 
 @dataclass
@@ -66,6 +67,7 @@ class EngineStats:
     num_tokens_computed: int = 0  # every token that went through the model
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_aborted: int = 0  # live requests stopped from outside (client gone, handoff failed)
 
 
 @dataclass
@@ -180,6 +182,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request however far it got and free its blocks (no-op if unknown)."""
+        if self.scheduler.get_request(request_id) is not None:
+            self.stats.num_aborted += 1
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         self.scheduler.release(request_id)
         self._tracked.pop(request_id, None)
@@ -218,7 +222,7 @@ class LLMEngine:
             num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
             num_cached_blocks=kv.num_cached_blocks, num_waiting=sched.num_waiting,
             num_running=sched.num_running, num_awaiting_kv=sched.num_awaiting_kv,
-            num_prefilled=sched.num_prefilled,
+            num_prefilled=sched.num_prefilled, num_aborted=self.stats.num_aborted,
         )
 
     def has_unfinished_requests(self) -> bool:

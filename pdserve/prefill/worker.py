@@ -14,7 +14,7 @@ from typing import Any
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.request import RequestMode
+from pdserve.engine.request import RequestMode, RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.handoff.config import HandoffConfig
 from pdserve.handoff.sender import HandoffSender, OutboundTransfer
@@ -96,8 +96,13 @@ class PrefillWorker:
         transfer.result.add_done_callback(release)
 
     def _forget(self, request_id: str) -> None:
+        """Engine thread: the transfer is over, so the request's blocks may go."""
         self._transfers.pop(request_id, None)
-        self.engine.abort(request_id)  # releases pinned blocks (full ones stay cached)
+        request = self.engine.scheduler.get_request(request_id)
+        if request is not None and request.status is RequestStatus.PREFILLED:
+            self.engine.release(request_id)  # full blocks stay in the prefix cache
+        else:
+            self.engine.abort(request_id)  # cancelled before its prompt was done
 
     async def kv_stats(self) -> dict[str, Any]:
         return asdict(await self.async_engine.call(self.engine.kv_stats))

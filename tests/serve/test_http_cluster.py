@@ -1,0 +1,218 @@
+"""pdserve over real HTTP on a real local Ray: the OpenAI API, parity, load, cancellation,
+bad input, prefix reuse and metrics, for the disaggregated and the colocated app."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from conftest import ServedApps
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MAX_TOKENS = 12
+SHARED_SYSTEM = ("You are a careful assistant. Answer briefly and cite the section you used. "
+                 "Section one covers billing; section two covers shipping; section three covers "
+                 "returns, refunds and exchanges for every region we serve. ") * 3
+QUESTIONS = ["Hi", "How do refunds work?", "Where is my parcel?", "Explain billing cycles.",
+             "Can I exchange a gift?", "Summarise section two.", "Is shipping free?", "Ok"]
+
+
+def conversations() -> list[list[dict[str, str]]]:
+    convs = []
+    for i, question in enumerate(QUESTIONS):
+        if i % 2:  # half share a long system prompt (prefix reuse), half are short
+            convs.append([{"role": "system", "content": SHARED_SYSTEM},
+                          {"role": "user", "content": question}])
+        else:
+            convs.append([{"role": "user", "content": question * (1 + i)}])
+    return convs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints: dict[str, str]) -> dict[str, tuple[str, int, int]]:
+    """Greedy text, prompt and output token counts from one in-process engine."""
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=512))
+    out = {}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for conv in conversations():
+        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conv))
+        [tokens] = engine.generate([ids], params)
+        out[json.dumps(conv)] = (engine.tokenizer.decode(tokens), len(ids), len(tokens))
+    return out
+
+
+def client(apps: ServedApps, app: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{apps.url(app)}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def chat(apps: ServedApps, app: str, conv: list[dict[str, str]], stream: bool) -> tuple[str, object]:
+    c = client(apps, app)
+    kwargs = dict(model="tiny", messages=conv, max_tokens=MAX_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True})
+    if not stream:
+        resp = c.chat.completions.create(**kwargs)
+        return resp.choices[0].message.content or "", resp.usage
+    text, usage = "", None
+    for chunk in c.chat.completions.create(**kwargs, stream=True,
+                                           stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return text, usage
+
+
+@pytest.mark.parametrize("app", ["disagg", "colo"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_client_parity_and_usage(served_apps: ServedApps, reference, app: str,
+                                        stream: bool) -> None:
+    for conv in conversations():
+        text, usage = chat(served_apps, app, conv, stream)
+        want_text, num_prompt, num_output = reference[json.dumps(conv)]
+        assert text == want_text
+        assert usage.prompt_tokens == num_prompt
+        assert usage.completion_tokens == num_output == MAX_TOKENS
+        assert usage.total_tokens == num_prompt + num_output
+    served_apps.wait_all_free(app)
+
+
+def test_httpx_completions_with_token_ids(served_apps: ServedApps, tiny_checkpoints) -> None:
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog " * 4)
+    [tokens] = engine.generate([prompt], SamplingParams(max_tokens=9, temperature=0.0,
+                                                          ignore_eos=True))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 9, "temperature": 0,
+            "ignore_eos": True}
+    r = httpx.post(f"{served_apps.url('disagg')}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "text_completion"
+    assert data["choices"][0]["text"] == engine.tokenizer.decode(tokens)
+    assert data["usage"]["prompt_tokens"] == len(prompt)
+    assert data["choices"][0]["finish_reason"] == "length"
+
+
+def test_32_concurrent_streams_complete_and_release_blocks(served_apps: ServedApps,
+                                                           reference) -> None:
+    convs = conversations() * 4
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(lambda conv: chat(served_apps, "disagg", conv, True), convs))
+    for conv, (text, usage) in zip(convs, results, strict=True):
+        assert text == reference[json.dumps(conv)][0]
+        assert usage.completion_tokens == MAX_TOKENS
+    served_apps.wait_all_free("disagg")
+
+
+@pytest.mark.parametrize("app", ["disagg", "colo"])
+def test_client_disconnect_mid_stream_releases_blocks(served_apps: ServedApps, app: str) -> None:
+    before = served_apps.kv_stats(app)["decode"]["num_aborted"]
+    body = {"model": "tiny", "stream": True, "max_tokens": 1500, "temperature": 0,
+            "ignore_eos": True, "messages": [{"role": "user", "content": SHARED_SYSTEM}]}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", f"{served_apps.url(app)}/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            chunks = 0
+            for line in r.iter_lines():
+                chunks += line.startswith("data:")
+                if chunks >= 4:
+                    break  # leave mid-stream: closing the response drops the connection
+    served_apps.wait_all_free(app)
+    # The decode engine aborted the request, rather than running it to its 1500 tokens.
+    assert served_apps.kv_stats(app)["decode"]["num_aborted"] == before + 1
+
+
+BAD_BODIES = [
+    (b"{not json", 400),
+    (json.dumps({"model": "tiny"}).encode(), 400),  # missing messages
+    (json.dumps({"model": "tiny", "messages": "hello"}).encode(), 400),  # wrong type
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "max_tokens": 0}).encode(), 400),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "max_tokens": 10**6}).encode(), 400),  # beyond the model limit
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}]}
+                ).encode(), 400),  # prompt longer than the context
+    (json.dumps({"model": "gpt-unknown", "messages": [{"role": "user", "content": "x"}]}
+                ).encode(), 404),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}
+                ).encode(), 400),
+]
+
+
+@pytest.mark.parametrize(("body", "status"), BAD_BODIES)
+def test_bad_input_gets_openai_error_and_server_keeps_serving(served_apps: ServedApps, body: bytes,
+                                                              status: int) -> None:
+    url = f"{served_apps.url('disagg')}/v1/chat/completions"
+    r = httpx.post(url, content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    ok = httpx.post(url, json={"model": "tiny", "max_tokens": 2,
+                               "messages": [{"role": "user", "content": "still there?"}]}, timeout=60)
+    assert ok.status_code == 200
+
+
+def test_prompt_too_long_message_names_both_numbers(served_apps: ServedApps) -> None:
+    r = httpx.post(f"{served_apps.url('disagg')}/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "word " * 5000}]})
+    assert r.status_code == 400
+    numbers = [int(n) for n in re.findall(r"\d+", r.json()["error"]["message"])]
+    assert len([n for n in numbers if n > 1000]) >= 2
+
+
+def metric_value(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_repeated_prefix_hits_cache_and_metrics(served_apps: ServedApps) -> None:
+    url = served_apps.url("disagg")
+    conv = [{"role": "system", "content": SHARED_SYSTEM + " Unique preamble 42."},
+            {"role": "user", "content": "first question"}]
+    before = httpx.get(f"{url}/metrics", timeout=30).text
+    c = client(served_apps, "disagg")
+    first = c.chat.completions.create(model="tiny", messages=conv, max_tokens=2)
+    conv[1]["content"] = "second question"
+    second = c.chat.completions.create(model="tiny", messages=conv, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    hit = second.usage.prompt_tokens_details.cached_tokens
+    assert hit >= 16 * ((first.usage.prompt_tokens - 8) // 16) - 16 > 0
+    after = httpx.get(f"{url}/metrics", timeout=30).text
+    assert metric_value(after, "pdserve:prefix_hit_tokens_total") - metric_value(
+        before, "pdserve:prefix_hit_tokens_total") >= hit
+    computed = metric_value(after, "pdserve:prefill_tokens_computed_total") - metric_value(
+        before, "pdserve:prefill_tokens_computed_total")
+    assert computed == first.usage.prompt_tokens + second.usage.prompt_tokens - hit
+
+
+def test_metrics_endpoint_serves_stage_histograms(served_apps: ServedApps) -> None:
+    chat(served_apps, "disagg", conversations()[1], stream=False)
+    text = httpx.get(f"{served_apps.url('disagg')}/metrics", timeout=30).text
+    for name in ("pdserve:ttft_seconds_bucket", "pdserve:tpot_seconds_bucket",
+                 "pdserve:prefill_compute_seconds_bucket", "pdserve:handoff_seconds_bucket",
+                 "pdserve:tokenize_seconds_bucket", "pdserve:decode_reserve_seconds_bucket"):
+        assert metric_value(text, name) > 0, name
+    assert 'path="disaggregated"' in text
+
+
+def test_models_and_health(served_apps: ServedApps) -> None:
+    models = client(served_apps, "disagg").models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(f"{served_apps.url('colo')}/health", timeout=30).json() == {"status": "ok"}
