@@ -258,3 +258,33 @@ def test_flash_backend_matches_torch_backend(
     # bf16 kernels differ in summation order; require close logits and (nearly) equal argmax.
     assert (results[0] - results[1]).abs().max().item() < 0.5
     assert (results[0].argmax(-1) == results[1].argmax(-1)).float().mean().item() > 0.98
+
+
+def test_backend_selection_without_gpu_or_flash_attn() -> None:
+    from pdserve.engine.attention import select_attention_backend
+
+    assert isinstance(select_attention_backend("cpu"), TorchAttentionBackend)
+    # flash-attn never runs float32, so CUDA + float32 picks torch without touching a GPU.
+    assert isinstance(select_attention_backend("cuda", torch.float32), TorchAttentionBackend)
+    if not _flash_available():
+        assert isinstance(select_attention_backend("cuda", torch.bfloat16), TorchAttentionBackend)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_backend_on_cuda_matches_transformers(tiny_checkpoints: dict[str, str]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model, config = load_model(tiny_checkpoints["qwen2"], torch.float32, "cuda")
+    assert isinstance(model.attention_backend, TorchAttentionBackend)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen2"], dtype=torch.float32)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in LENGTHS]
+    with torch.inference_mode():
+        expected = [reference.eval()(p[None]).logits[0] for p in prompts]
+    block_size = 4
+    tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=8)
+    cache = garbage_cache(model, num_blocks, block_size).cuda()
+    logits, _ = run_schedule(model, cache, [p.cuda() for p in prompts], tables, block_size)
+    for got, want in zip(logits, expected, strict=True):
+        assert (got.cpu() - want).abs().max().item() < 1e-3  # TF32 or kernel order may differ
