@@ -68,10 +68,8 @@ class TorchAttentionBackend(AttentionBackend):
         plan: TorchAttentionPlan,
         scale: float,
     ) -> torch.Tensor:
-        keys, values = (
-            layer_cache[0],
-            layer_cache[1],
-        )  # [num_blocks, block_size, kv_heads, head_dim]
+        # Each [num_blocks, block_size, kv_heads, head_dim].
+        keys, values = layer_cache[0], layer_cache[1]
         decode = plan.decode
         if decode is not None and decode.token_rows is None:
             return _attend_decode(query, keys, values, decode, scale)
