@@ -45,6 +45,7 @@ class TextStream:
         """The request finished for another reason: release what was held back."""
         if self.stopped:
             return ""
+        self.detokenizer.flush()
         return self._emit_upto(len(self.detokenizer.text))
 
     @property
