@@ -1,0 +1,138 @@
+"""The engine's two disaggregated roles and its text stream, on a real tiny model.
+
+Prefill-only + copied KV + decode-from-received-KV must equal one engine doing everything.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.loaded_model import LoadedModel
+from pdserve.engine.request import RequestMode
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints: dict[str, str]) -> LoadedModel:
+    return LoadedModel.load(tiny_checkpoints["qwen2"], torch.float32, torch.device("cpu"))
+
+
+def engine(loaded: LoadedModel, path: str, **kw: object) -> LLMEngine:
+    settings: dict[str, object] = {"num_kv_blocks": 256, "block_size": 8}
+    settings.update(kw)
+    return LLMEngine(EngineConfig(model_path=path, **settings), loaded=loaded)  # type: ignore[arg-type]
+
+
+def run_until_finished(e: LLMEngine, request_id: str) -> tuple[list[int], str, str | None]:
+    tokens, text, reason = [], "", None
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.request_id == request_id:
+                tokens += out.new_token_ids
+                text += out.new_text
+                reason = out.finish_reason if out.finished else reason
+    return tokens, text, reason
+
+
+def split_generate(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
+                   params: SamplingParams, rid: str) -> list[int]:
+    """Prefill on one engine, copy the prompt's KV block by block, decode on the other."""
+    prefill.add_request(rid, prompt, params, RequestMode.PREFILL_ONLY)
+    first = None
+    while first is None:
+        first = next((o for o in prefill.step() if o.request_id == rid), None)
+    assert first.finish_reason == "prefilled" and len(first.new_token_ids) == 1
+    dst = decode.reserve_for_received_kv(rid, prompt, params)
+    assert dst is not None
+    src = prefill.kv_manager.block_ids(rid)[: len(dst)]
+    decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]
+    prefill.release(rid)
+    decode.activate_received(rid, first.new_token_ids[0])
+    rest, _, _ = run_until_finished(decode, rid)
+    return first.new_token_ids + rest
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=50, seed=7, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_prefill_then_decode_equals_one_engine(loaded, tiny_checkpoints, params) -> None:
+    path = tiny_checkpoints["qwen2"]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (1, 9, 40, 257)]
+    whole = engine(loaded, path)
+    prefill, decode = engine(loaded, path), engine(loaded, path, block_size=8)
+    for i, prompt in enumerate(prompts):
+        expected = whole.generate([prompt], params)[0]
+        assert split_generate(prefill, decode, prompt, params, f"r{i}") == expected
+    for e in (prefill, decode):
+        stats = e.kv_stats()
+        assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_recompute_resume_equals_one_engine(loaded, tiny_checkpoints) -> None:
+    """The fallback path: a fresh engine given prompt + the token already shown continues
+    exactly where one engine would (greedy and seeded)."""
+    path = tiny_checkpoints["qwen2"]
+    prompt = list(range(100, 160))
+    for params in (SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)):
+        expected = engine(loaded, path).generate([prompt], params)[0]
+        e = engine(loaded, path)
+        e.add_request("resume", prompt, params, resume_output_ids=expected[:1])
+        rest, _, _ = run_until_finished(e, "resume")
+        assert expected[:1] + rest == expected
+
+
+def test_seeds_reproduce_and_differ(loaded, tiny_checkpoints) -> None:
+    path = tiny_checkpoints["qwen2"]
+    prompt = list(range(200, 230))
+    e = engine(loaded, path)
+    a = e.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0, seed=1))
+    b = e.generate([prompt, list(range(5, 50))],
+                   SamplingParams(max_tokens=20, temperature=1.0, seed=1))[0]
+    c = e.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0, seed=2))
+    assert a[0] == b  # same seed, different batch company: same tokens
+    assert a != c
+
+
+def test_stop_string_truncates_and_is_never_streamed(loaded, tiny_checkpoints) -> None:
+    path = tiny_checkpoints["qwen2"]
+    e = engine(loaded, path)
+    prompt = e.tokenizer.encode("Once upon a time")
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    e.add_request("full", prompt, greedy)
+    _, full_text, _ = run_until_finished(e, "full")
+    assert len(full_text) > 12
+    stop = full_text[8:12]
+    cut = full_text.index(stop)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=(stop,))
+    e.add_request("stopped", prompt, params)
+    pieces: list[str] = []
+    reason = None
+    while e.has_unfinished_requests():
+        for out in e.step():
+            pieces.append(out.new_text)
+            reason = out.finish_reason if out.finished else reason
+    assert "".join(pieces) == full_text[:cut]
+    assert reason == "stop"
+    assert all(stop not in piece for piece in pieces)
+    assert e.kv_stats().num_running == 0
+
+
+def test_stop_token_and_max_tokens(loaded, tiny_checkpoints) -> None:
+    path = tiny_checkpoints["qwen2"]
+    e = engine(loaded, path)
+    prompt = list(range(300, 340))
+    full = e.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
+    stop_id = full[5]
+    first = full.index(stop_id)
+    stopped = e.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                                                 stop_token_ids=(stop_id,)))[0]
+    assert stopped == full[: first + 1]
+    assert e.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0] == full[:3]
