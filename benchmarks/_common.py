@@ -1,0 +1,125 @@
+"""Helpers shared by pdserve's benchmarks: checkpoints, thread setup, progress, results, plots.
+
+Benchmarks are scripts, not tests: they print what they measure and save it under results/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "models"
+
+
+def offline() -> None:
+    """Benchmarks never touch the network: every checkpoint is generated locally."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def ensure_checkpoint(model_dir: Path, family: str, size: str, seed: int = 0) -> Path:
+    """Path of a generated checkpoint, making it (deterministically) on first use.
+
+    Written to a temporary sibling and renamed, so an interrupted run never leaves a
+    half-written checkpoint that a later run would trust.
+    """
+    from pdserve.engine.checkpoint_maker import make_checkpoint
+
+    target = model_dir / f"{family}-{size}-seed{seed}"
+    if (target / "config.json").is_file():
+        return target
+    model_dir.mkdir(parents=True, exist_ok=True)
+    print(f"generating the {family} {size} checkpoint into {target} (once) ...", flush=True)
+    started = time.perf_counter()
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=model_dir))
+    try:
+        make_checkpoint(staging, family, size, seed=seed)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    print(f"  done in {time.perf_counter() - started:.1f} s", flush=True)
+    return target
+
+
+def set_threads(num_threads: int) -> str:
+    """Pin torch's intra-op threads; returns a line describing the machine's load."""
+    torch.set_num_threads(num_threads)
+    cores = os.cpu_count() or 0
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    line = f"threads: {num_threads} of {cores} cores; 1-min load average before start {load:.2f}"
+    if load > 0.5 or cores <= num_threads:
+        line += (
+            "\n  NOTE: this box is shared (or fully used by the benchmark): other processes "
+            "take CPU time\n  from both engines alike and distort absolute numbers; the "
+            "ratio is the figure to trust."
+        )
+    return line
+
+
+class Progress:
+    """Prints a status line at most every `every_s` seconds (and always when forced)."""
+
+    def __init__(self, label: str, every_s: float = 5.0) -> None:
+        self.label = label
+        self.every_s = every_s
+        self.started = time.perf_counter()
+        self._last = self.started
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
+
+    def update(self, message: str, force: bool = False) -> None:
+        now = time.perf_counter()
+        if force or now - self._last >= self.every_s:
+            self._last = now
+            print(f"  [{self.label} {now - self.started:6.1f} s] {message}", flush=True)
+
+
+def save_json(name: str, results: dict[str, Any]) -> Path:
+    """Write `results` (plus the command line) to results/<name>.json; returns the path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    payload = {"command": " ".join(sys.argv), "timestamp": time.time(), **results}
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def bar_chart(
+    name: str,
+    panels: Sequence[tuple[str, str, dict[str, float]]],
+    suptitle: str,
+) -> Path:
+    """Save one PNG with a bar panel per (title, y label, {bar: value}); returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    colors = ["#3b7dd8", "#e08a2e", "#5aa469", "#b05bc4"]
+    for ax, (title, ylabel, bars) in zip(axes[0], panels, strict=True):
+        labels, values = list(bars), list(bars.values())
+        drawn = ax.bar(labels, values, color=colors[: len(labels)])
+        ax.bar_label(drawn, fmt="%.0f")
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.margins(y=0.15)
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    path = RESULTS_DIR / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
