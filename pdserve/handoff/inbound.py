@@ -1,0 +1,206 @@
+"""One reservation on the receiver: what was reserved, what was announced and landed, and the
+checks every header and the fence must pass. Pure state: no UCX, no asyncio.
+
+States: reserved -> receiving (BEGIN accepted) -> ready (fence verified) | failed(reason).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdserve.engine.kv_layout import KVLayout, LayoutMismatchError
+from pdserve.handoff.errors import HandoffError, HandoffLayoutError, HandoffProtocolError
+from pdserve.handoff.kvcopy import PieceSpec, combine_digests
+from pdserve.handoff.ticket import FenceInfo
+from pdserve.handoff.wire import MAX_PIECES
+
+
+class InboundState(enum.Enum):
+    RESERVED = "reserved"
+    RECEIVING = "receiving"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass
+class _Piece:
+    spec: PieceSpec
+    nbytes: int
+    digest: int
+    landed: bool = False
+
+
+@dataclass
+class InboundTransfer:
+    """Receiver-side record of one transfer.
+
+    ``write_lock`` is held by whoever writes into the reserved blocks and by whoever ends the
+    transfer, so once `finish` returned nothing writes into ``block_ids`` again.
+    """
+
+    request_id: str
+    transfer_id: int
+    layout: KVLayout
+    block_ids: torch.Tensor  # int64, on the cache's device
+    block_id_list: tuple[int, ...]
+    num_tokens: int
+    deadline: float  # time.monotonic()
+    max_piece_bytes: int
+    instance: int
+    state: InboundState = InboundState.RESERVED
+    error: HandoffError | None = None
+    session_id: int | None = None
+    fence_info: FenceInfo | None = None
+    finished_at: float | None = None
+    write_lock: threading.Lock = field(default_factory=threading.Lock)
+    result: concurrent.futures.Future[FenceInfo] = field(default_factory=concurrent.futures.Future)
+    _pieces: dict[int, _Piece] = field(default_factory=dict)
+    _announced_bytes: int = 0
+    _fence: dict[str, Any] | None = None
+    _coverage: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._coverage = np.zeros((self.layout.num_local_layers, self.num_blocks), dtype=bool)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_id_list)
+
+    @property
+    def expected_bytes(self) -> int:
+        return self.layout.num_local_layers * self.num_blocks * self.layout.block_bytes
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in (InboundState.READY, InboundState.FAILED)
+
+    @property
+    def num_landed(self) -> int:
+        return sum(piece.landed for piece in self._pieces.values())
+
+    def progress(self) -> str:
+        return (f"{self.num_landed}/{len(self._pieces)} announced pieces landed, "
+                f"{self._announced_bytes}/{self.expected_bytes} bytes announced, "
+                f"fence {'received' if self._fence else 'not received'}")
+
+    # ---- header checks (each raises a HandoffError naming what is wrong) ----------------
+    def accept_begin(self, session_id: int, body: dict[str, Any]) -> None:
+        if self.state is not InboundState.RESERVED:
+            raise HandoffProtocolError(f"transfer {self.transfer_id} already began or ended")
+        if body["instance"] != self.instance:
+            raise HandoffProtocolError("ticket names another receiver instance (stale ticket)")
+        if body["request_id"] != self.request_id:
+            raise HandoffProtocolError(
+                f"ticket is for request {self.request_id!r}, sender says {body['request_id']!r}")
+        try:
+            sender_layout = KVLayout.from_dict(body["layout"])
+            self.layout.check_matches(sender_layout)
+        except LayoutMismatchError as exc:
+            raise HandoffLayoutError(f"refused transfer {self.transfer_id}: {exc}") from exc
+        except (TypeError, ValueError) as exc:
+            raise HandoffLayoutError(f"refused transfer {self.transfer_id}: bad layout: {exc}") from exc
+        if body["num_blocks"] != self.num_blocks:
+            raise HandoffProtocolError(
+                f"sender has {body['num_blocks']} blocks, {self.num_blocks} were reserved")
+        self.session_id = session_id
+        self.state = InboundState.RECEIVING
+
+    def accept_piece(self, session_id: int, body: dict[str, Any]) -> PieceSpec:
+        """Validate a PIECE header against the reservation; nothing is allocated before this."""
+        self._check_sender(session_id, "PIECE")
+        if self._fence is not None:
+            raise HandoffProtocolError("piece announced after the fence")
+        index, nbytes = body["index"], body["nbytes"]
+        if not 0 <= index < MAX_PIECES or index in self._pieces:
+            raise HandoffProtocolError(f"piece index {index} is out of range or repeated")
+        remaining = self.expected_bytes - self._announced_bytes
+        if nbytes > remaining or nbytes > self.max_piece_bytes:
+            raise HandoffProtocolError(
+                f"piece {index} claims {nbytes} bytes; only {remaining} of the "
+                f"{self.expected_bytes} reserved bytes remain (piece bound {self.max_piece_bytes})")
+        spec = PieceSpec(index, *self._bounds(body["layers"], self.layout.num_local_layers, "layers"),
+                         *self._bounds(body["blocks"], self.num_blocks, "blocks"))
+        if spec.nbytes(self.layout) != nbytes:
+            raise HandoffProtocolError(
+                f"piece {index} claims {nbytes} bytes, its bounds hold {spec.nbytes(self.layout)}")
+        region = self._coverage[spec.layer_start:spec.layer_end, spec.block_start:spec.block_end]
+        if region.any():
+            raise HandoffProtocolError(f"piece {index} overlaps KV already announced")
+        region[...] = True
+        self._pieces[index] = _Piece(spec, nbytes, body["digest"])
+        self._announced_bytes += nbytes
+        return spec
+
+    def accept_fence(self, session_id: int, body: dict[str, Any]) -> None:
+        self._check_sender(session_id, "FENCE")
+        if self._fence is not None:
+            raise HandoffProtocolError("second fence")
+        problems = []
+        if body["num_pieces"] != len(self._pieces):
+            problems.append(f"fence counts {body['num_pieces']} pieces, {len(self._pieces)} announced")
+        if body["nbytes"] != self._announced_bytes or body["nbytes"] != self.expected_bytes:
+            problems.append(f"fence counts {body['nbytes']} bytes, {self._announced_bytes} announced, "
+                            f"{self.expected_bytes} reserved")
+        if not self._coverage.all():
+            problems.append(f"{int((~self._coverage).sum())} (layer, block) slots never announced")
+        if body["num_tokens"] != self.num_tokens:
+            problems.append(f"fence covers {body['num_tokens']} tokens, {self.num_tokens} reserved")
+        if body["first_token_id"] < 0:
+            problems.append(f"first token id {body['first_token_id']} is negative")
+        records = [(p.spec, p.nbytes, p.digest) for p in self._pieces.values()]
+        if not problems and combine_digests(records) != body["digest"]:
+            problems.append("fence digest does not match the announced pieces")
+        if problems:
+            raise HandoffProtocolError("fence rejected: " + "; ".join(problems))
+        self._fence = body
+
+    def piece_digest(self, index: int) -> int:
+        return self._pieces[index].digest
+
+    def mark_landed(self, index: int) -> None:
+        self._pieces[index].landed = True
+
+    def completion(self) -> FenceInfo | None:
+        """The fence outcome once the fence verified and every announced piece landed."""
+        if self._fence is None or not all(p.landed for p in self._pieces.values()):
+            return None
+        return FenceInfo(self.request_id, self._fence["first_token_id"], self.num_tokens,
+                         self._announced_bytes, len(self._pieces))
+
+    def finish(self, error: HandoffError | None, now: float) -> bool:
+        """End the transfer: ready (``error`` None, fence verified) or failed. The caller holds
+        ``write_lock``. Returns False when it had already ended (the first outcome stands)."""
+        if self.terminal:
+            return False
+        self.finished_at = now
+        if error is None:
+            info = self.completion()
+            if info is None:
+                raise RuntimeError("finish() called before the fence verified and all pieces landed")
+            self.state, self.fence_info = InboundState.READY, info
+            self.result.set_result(info)
+        else:
+            self.state, self.error = InboundState.FAILED, error
+            self.result.set_exception(error)
+        return True
+
+    def _check_sender(self, session_id: int, what: str) -> None:
+        if self.state is not InboundState.RECEIVING:
+            raise HandoffProtocolError(f"{what} for a transfer in state {self.state.value}")
+        if session_id != self.session_id:
+            raise HandoffProtocolError(f"{what} from a session that did not begin this transfer")
+
+    @staticmethod
+    def _bounds(value: Any, limit: int, name: str) -> tuple[int, int]:
+        ok = (isinstance(value, list) and len(value) == 2
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+        if not ok or not 0 <= value[0] < value[1] <= limit:
+            raise HandoffProtocolError(f"piece {name} {value!r} outside [0, {limit})")
+        return value[0], value[1]

@@ -1,0 +1,192 @@
+"""Moving KV between the paged cache and contiguous pieces: the piece plan, gather, digest, scatter.
+
+A piece is a rectangle of (local layers x the request's blocks); on the wire it is the
+contiguous tensor ``[num_layers, 2, num_blocks, block_elements]`` of the cache's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from pdserve.engine.kv_layout import KVLayout
+
+# Digest and scatter walk a piece in chunks this size so the scatter reads what the hash just
+# pulled into cache (one DRAM pass instead of two on the receiver).
+CHUNK_BYTES = 1 << 20
+_PIECE_RECORD = struct.Struct("<7Q")
+_ROW_LOOP_MIN_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class PieceSpec:
+    """Layers ``[layer_start, layer_end)`` (local cache indices) x the request's blocks
+    ``[block_start, block_end)`` (positions in its block list, not block ids)."""
+
+    index: int
+    layer_start: int
+    layer_end: int
+    block_start: int
+    block_end: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_end - self.block_start
+
+    def nbytes(self, layout: KVLayout) -> int:
+        return self.num_layers * self.num_blocks * layout.block_bytes
+
+
+def plan_pieces(
+    layout: KVLayout,
+    num_blocks: int,
+    min_piece_bytes: int,
+    max_piece_bytes: int,
+    layers_per_piece: int | None = None,
+) -> list[PieceSpec]:
+    """Split a transfer into pieces of at most ``max_piece_bytes``.
+
+    Small layers are grouped (``layers_per_piece``, or enough layers to reach
+    ``min_piece_bytes``) so per-message overhead stays small; a layer larger than
+    ``max_piece_bytes`` is split by blocks.
+    """
+    num_layers = layout.num_local_layers
+    layer_bytes = num_blocks * layout.block_bytes
+    if layout.block_bytes > max_piece_bytes:
+        raise ValueError(
+            f"one KV block ({layout.block_bytes} bytes) exceeds the receiver's piece bound "
+            f"({max_piece_bytes} bytes)"
+        )
+    pieces: list[PieceSpec] = []
+    if layer_bytes > max_piece_bytes:
+        step = max_piece_bytes // layout.block_bytes
+        for layer in range(num_layers):
+            for start in range(0, num_blocks, step):
+                end = min(num_blocks, start + step)
+                pieces.append(PieceSpec(len(pieces), layer, layer + 1, start, end))
+        return pieces
+    if layers_per_piece is None:
+        layers_per_piece = math.ceil(min_piece_bytes / layer_bytes)
+    group = max(1, min(layers_per_piece, max_piece_bytes // layer_bytes, num_layers))
+    for start in range(0, num_layers, group):
+        end = min(num_layers, start + group)
+        pieces.append(PieceSpec(len(pieces), start, end, 0, num_blocks))
+    return pieces
+
+
+def piece_view(buffer: torch.Tensor, spec: PieceSpec, layout: KVLayout) -> torch.Tensor:
+    """The typed ``[layers, 2, blocks, block_elements]`` view of a uint8 staging buffer."""
+    nbytes = spec.nbytes(layout)
+    flat = buffer[:nbytes].view(layout.torch_dtype)
+    return flat.view(spec.num_layers, 2, spec.num_blocks, layout.block_elements)
+
+
+def layer_rows(cache: torch.Tensor, layer: int, layout: KVLayout) -> torch.Tensor:
+    """Cache layer ``layer`` as ``[2, num_cache_blocks, block_elements]`` (a view, no copy)."""
+    return cache[layer].view(2, cache.shape[2], layout.block_elements)
+
+
+def gather_piece(
+    cache: torch.Tensor, block_ids: torch.Tensor, spec: PieceSpec, layout: KVLayout,
+    out: torch.Tensor, layers: Sequence[int] | None = None,
+) -> None:
+    """Copy the piece's blocks (all its layers, or just ``layers``) into ``out`` (piece_view).
+
+    On CUDA the copies are queued on the current stream, after the layer's writes. Host
+    memory is copied row by row with numpy: single-threaded memcpy speed, and no torch
+    intra-op threads spinning against the engine and the transport on small machines.
+    """
+    ids = block_ids[spec.block_start : spec.block_end]
+    chosen = layers if layers is not None else range(spec.layer_start, spec.layer_end)
+    if cache.is_cuda:
+        for layer in chosen:
+            torch.index_select(layer_rows(cache, layer, layout), 1, ids, out=out[layer - spec.layer_start])
+        return
+    src = _byte_rows(cache.view(cache.shape[0], 2, cache.shape[2], layout.block_elements))
+    dst = _byte_rows(out)
+    ids_list = ids.tolist()
+    for layer in chosen:
+        for kv in (0, 1):
+            _take_rows(src[layer, kv], ids_list, dst[layer - spec.layer_start, kv])
+
+
+def _take_rows(src: np.ndarray, ids: list[int], out: np.ndarray) -> None:
+    if src.shape[-1] >= _ROW_LOOP_MIN_BYTES:
+        for row, block in enumerate(ids):
+            out[row] = src[block]
+    else:  # tiny rows: one vectorised gather beats a Python loop
+        out[...] = src[ids]
+
+
+def digest(buffer: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous buffer's bytes (copied to host first when on CUDA)."""
+    data = buffer.reshape(-1).view(torch.uint8)
+    if data.is_cuda:
+        data = data.cpu()
+    return xxhash.xxh3_64_intdigest(data.numpy())
+
+
+def digest_and_scatter(
+    staged: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor, spec: PieceSpec,
+    layout: KVLayout,
+) -> int:
+    """Write a received piece (piece_view) into its blocks and return the xxh3-64 of its bytes.
+
+    Host memory goes through numpy (a row copy at memcpy speed, single-threaded: torch's
+    index_copy_ is several times slower and fights the engine for intra-op threads), hashed
+    chunk by chunk right before each chunk is scattered, so both read cache-resident bytes.
+    CUDA pieces are scattered on device and hashed via host.
+    """
+    ids = block_ids[spec.block_start : spec.block_end]
+    if staged.is_cuda:
+        for offset in range(spec.num_layers):
+            layer_rows(cache, spec.layer_start + offset, layout).index_copy_(1, ids, staged[offset])
+        return digest(staged)
+    hasher = xxhash.xxh3_64()
+    src = _byte_rows(staged)
+    dst = _byte_rows(cache.view(cache.shape[0], 2, cache.shape[2], layout.block_elements))
+    ids_np = ids.numpy()
+    rows_per_chunk = max(1, CHUNK_BYTES // src.shape[-1])
+    for offset in range(spec.num_layers):
+        for kv in (0, 1):
+            rows, target = src[offset, kv], dst[spec.layer_start + offset, kv]
+            for start in range(0, spec.num_blocks, rows_per_chunk):
+                chunk = rows[start : start + rows_per_chunk]
+                hasher.update(chunk)
+                target[ids_np[start : start + rows_per_chunk]] = chunk
+    return hasher.intdigest()
+
+
+def _byte_rows(tensor: torch.Tensor) -> np.ndarray:
+    """A host tensor ``[..., elements]`` as a numpy uint8 array ``[..., bytes]`` (no copy)."""
+    return tensor.view(torch.uint8).numpy()
+
+
+def combine_digests(records: Sequence[tuple[PieceSpec, int, int]]) -> int:
+    """Fence digest over every piece's (bounds, byte count, payload digest), in index order."""
+    hasher = xxhash.xxh3_64()
+    for spec, nbytes, piece_digest in sorted(records, key=lambda r: r[0].index):
+        hasher.update(_PIECE_RECORD.pack(
+            spec.index, spec.layer_start, spec.layer_end, spec.block_start, spec.block_end,
+            nbytes, piece_digest,
+        ))
+    return hasher.intdigest()
+
+
+def check_contiguous(buffer: torch.Tensor) -> None:
+    """UCX sends a strided view wrongly and silently (its first bytes): refuse it loudly."""
+    if not buffer.is_contiguous():
+        raise ValueError(
+            f"refusing to send a non-contiguous tensor (shape {tuple(buffer.shape)}, strides "
+            f"{buffer.stride()}): UCX would transmit the wrong bytes without an error"
+        )

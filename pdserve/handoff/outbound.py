@@ -1,0 +1,172 @@
+"""One request's KV push on the prefill side: the piece plan, the staging buffers the compute
+thread gathers into, and the completion (deferred-free) signal.
+
+Compute-thread methods never wait on the network; loop-side state is touched only on the loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pdserve.engine.kv_layout import KVLayout
+from pdserve.handoff.errors import HandoffCapacityError, HandoffError, HandoffProtocolError
+from pdserve.handoff.kvcopy import PieceSpec, gather_piece, piece_view
+from pdserve.handoff.staging import StagingPool
+from pdserve.handoff.ticket import HandoffTicket, SendResult
+
+
+@dataclass(frozen=True)
+class ReadyPiece:
+    """A gathered piece handed from the compute thread to the loop."""
+
+    spec: PieceSpec
+    buffer: torch.Tensor  # uint8 staging buffer owned by the transfer until released
+    event: Any  # torch.cuda.Event recorded after the gather, or None on host memory
+
+
+@dataclass(frozen=True)
+class FenceRequest:
+    first_token_id: int
+
+
+@dataclass(eq=False)
+class OutboundTransfer:
+    """Prefill-side handle of one transfer (made by `HandoffSender.start_transfer`).
+
+    Deferred free: ``released`` resolves with a `SendResult` only when no send of this
+    transfer is in flight any more (all completed, or aborted because the peer failed or the
+    deadline passed). Until then the prefill worker must keep the source blocks; after it,
+    UCX touches none of this transfer's memory again. ``SendResult.error`` says whether the
+    push succeeded. Callbacks added with `add_done_callback` run on the handoff thread.
+    """
+
+    ticket: HandoffTicket
+    layout: KVLayout
+    block_ids: torch.Tensor
+    plan: list[PieceSpec]
+    pool: StagingPool
+    deadline: float  # time.monotonic()
+    released: concurrent.futures.Future[SendResult] = field(default_factory=concurrent.futures.Future)
+    # compute-thread state, under _lock
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _error: HandoffError | None = None
+    _layers_done: set[int] = field(default_factory=set)
+    _buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    _gathered_layers: dict[int, int] = field(default_factory=dict)
+    _fence_requested: bool = False
+    # loop-side state
+    queue: Any = None  # asyncio.Queue of ReadyPiece | FenceRequest | None (wake-up)
+    link: Any = None  # the PeerLink carrying it
+    pump: Any = None  # the asyncio task announcing its pieces
+    begun: bool = False  # BEGIN went out: the receiver knows this transfer
+    receiver_aborted: bool = False  # the receiver ended it (no ABORT back needed)
+    pump_done: bool = False
+    sends: set[Any] = field(default_factory=set)
+    bytes_sent: int = 0
+    pieces_sent: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.ticket.request_id
+
+    @property
+    def transfer_id(self) -> int:
+        return self.ticket.transfer_id
+
+    @property
+    def error(self) -> HandoffError | None:
+        return self._error  # one attribute read: no lock (the gather may hold it for a while)
+
+    def add_done_callback(self, fn: Callable[[SendResult], None]) -> None:
+        self.released.add_done_callback(lambda future: fn(future.result()))
+
+    def fail(self, error: HandoffError) -> bool:
+        """Record the first error; later gathers become no-ops. Any thread."""
+        with self._lock:
+            if self._error is not None:
+                return False
+            self._error = error
+            return True
+
+    # ---- compute thread ---------------------------------------------------------------
+    def gather_layer(self, cache: torch.Tensor, layer: int) -> list[ReadyPiece]:
+        """Copy this layer's blocks into the staging buffers of the pieces that hold it and
+        return the pieces now complete. Never waits on the network; on a full staging pool the
+        transfer fails with `HandoffCapacityError` and the engine carries on.
+
+        Holds the transfer's lock while copying, so a transfer ending meanwhile (loop thread)
+        takes back its buffers only after the copy finished.
+        """
+        with self._lock:
+            if self._error is not None:
+                return []
+            if not 0 <= layer < self.layout.num_local_layers or layer in self._layers_done:
+                self._error = HandoffProtocolError(f"layer {layer} sent twice or out of range")
+                return []
+            self._layers_done.add(layer)
+            ready = []
+            for spec in self.plan:
+                if not spec.layer_start <= layer < spec.layer_end:
+                    continue
+                buffer = self._buffer_for_locked(spec)
+                if buffer is None:
+                    return ready  # the loop releases these: the transfer has failed
+                gather_piece(cache, self.block_ids, spec, self.layout,
+                             piece_view(buffer, spec, self.layout), layers=[layer])
+                self._gathered_layers[spec.index] = self._gathered_layers.get(spec.index, 0) + 1
+                if self._gathered_layers[spec.index] == spec.num_layers:
+                    del self._buffers[spec.index]
+                    ready.append(ReadyPiece(spec, buffer, _record_event(buffer)))
+            return ready
+
+    def request_fence(self) -> bool:
+        """True if every layer was gathered; otherwise the transfer fails (caller bug)."""
+        with self._lock:
+            if self._fence_requested:
+                return False
+            self._fence_requested = True
+            if self._error is None and len(self._layers_done) != self.layout.num_local_layers:
+                self._error = HandoffProtocolError(
+                    f"fence requested after {len(self._layers_done)} of "
+                    f"{self.layout.num_local_layers} layers")
+            return self._error is None
+
+    def take_unfinished_buffers(self) -> list[torch.Tensor]:
+        """Buffers of pieces whose layers never all arrived (after the transfer ended)."""
+        with self._lock:
+            buffers = list(self._buffers.values())
+            self._buffers.clear()
+            return buffers
+
+    def _buffer_for_locked(self, spec: PieceSpec) -> torch.Tensor | None:
+        buffer = self._buffers.get(spec.index)
+        if buffer is None:
+            buffer = self.pool.try_acquire(spec.nbytes(self.layout))
+            if buffer is None:
+                stats = self.pool.stats()
+                self._error = HandoffCapacityError(
+                    f"sender staging full ({stats.in_use_bytes} of {stats.capacity_bytes} bytes "
+                    f"in use); dropping the handoff of {self.request_id!r}")
+                return None
+            self._buffers[spec.index] = buffer
+        return buffer
+
+    # ---- loop side ------------------------------------------------------------------------
+    def result(self) -> SendResult:
+        return SendResult(self.request_id, self.transfer_id, self.bytes_sent, self.pieces_sent,
+                          self.error, time.monotonic())
+
+
+def _record_event(buffer: torch.Tensor) -> Any:
+    if not buffer.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

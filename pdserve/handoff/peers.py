@@ -1,0 +1,123 @@
+"""Sender side of a connection to one receiver worker: endpoint, authentication handshake,
+session key, heartbeats. One `PeerLink` per receiver address, shared by all transfers to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from pdserve.handoff import auth
+from pdserve.handoff.errors import (
+    HandoffAuthError, HandoffCancelledError, HandoffError, HandoffPeerGoneError,
+)
+from pdserve.handoff.transport import HandoffTransport
+from pdserve.handoff.wire import Frame, Kind, decode, encode
+
+log = logging.getLogger(__name__)
+
+
+class PeerLink:
+    """Loop only. ``ready`` resolves once the receiver accepted our proof of the cluster token
+    (and proved it too: its WELCOME carries the session MAC), or raises a `HandoffError`."""
+
+    def __init__(self, transport: HandoffTransport, address: bytes, host: str) -> None:
+        self._transport = transport
+        self.address, self.host = address, host
+        self.session_id = int.from_bytes(os.urandom(8), "little") >> 1
+        self._nonce = auth.new_nonce()
+        self._key: bytes | None = None
+        self.ready: asyncio.Future[None] = transport.loop.create_future()
+        self.endpoint: Any = None
+        self.last_heard = time.monotonic()
+        self.dead: HandoffError | None = None
+        self.transfers: set[Any] = set()
+        self._frame_sends: set[asyncio.Task[None]] = set()
+        self._ping_seq = 0
+        self._connector = transport.spawn(self._connect())
+
+    async def _connect(self) -> None:
+        timeout = self._transport.config.handshake_timeout_s
+        try:
+            self.endpoint = await self._transport.open_endpoint(self.address, self.host)
+            hello = {"address": self._transport.address, "nonce": self._nonce,
+                     "host": self._transport.host}
+            await self._send_raw(encode(Kind.HELLO, self.session_id, hello, None))
+            await asyncio.wait_for(asyncio.shield(self.ready), timeout)
+        except asyncio.TimeoutError:
+            self.fail(HandoffPeerGoneError(f"receiver did not answer the handshake within {timeout}s"))
+        except HandoffError as exc:
+            self.fail(exc)
+        except Exception as exc:  # UCX could not reach the address
+            self.fail(HandoffPeerGoneError(f"cannot reach receiver: {exc}"))
+
+    # ---- frames from the receiver -----------------------------------------------------
+    def on_frame(self, kind: Kind, raw: bytes) -> Frame | None:
+        """Handle handshake/heartbeat frames; return authenticated frames for the sender."""
+        if self.dead is not None:
+            return None
+        if kind is Kind.CHALLENGE:
+            frame = decode(raw, key=None)
+            if self._key is None:
+                nonce = frame.body["nonce"]
+                token = self._transport.config.auth_token
+                self._key = auth.session_key(token, self.session_id, self._nonce, nonce)
+                proof = auth.proof(token, self.session_id, self._nonce, nonce)
+                self.send(Kind.PROOF, {"proof": proof}, signed=False)
+            return None
+        if kind is Kind.REFUSED:
+            reason = decode(raw, key=None).body["reason"]
+            self.fail(HandoffAuthError(f"receiver refused this sender: {reason}"))
+            return None
+        if self._key is None:
+            return None
+        frame = decode(raw, key=self._key)  # raises WireError on a bad MAC
+        self.last_heard = time.monotonic()
+        if kind is Kind.WELCOME and not self.ready.done():
+            self.ready.set_result(None)
+            return None
+        return None if kind is Kind.PONG else frame
+
+    # ---- sending ----------------------------------------------------------------------------
+    def send(self, kind: Kind, body: dict[str, Any], *, signed: bool = True) -> asyncio.Task[None]:
+        """Queue one control frame (posted in call order; UCX keeps that order)."""
+        frame = encode(kind, self.session_id, body, self._key if signed else None)
+        task = self._transport.spawn(self._send_raw(frame))
+        self._frame_sends.add(task)
+        task.add_done_callback(self._frame_sends.discard)
+        return task
+
+    async def _send_raw(self, frame: bytes) -> None:
+        await self._transport.send_frame(self.endpoint, frame)
+
+    def ping_if_due(self, now: float) -> None:
+        """Heartbeat while transfers are active; declare the peer gone after peer_timeout_s."""
+        if self.dead is not None or not self.ready.done() or not self.transfers:
+            return
+        timeout = self._transport.config.peer_timeout_s
+        if now - self.last_heard > timeout:
+            self.fail(HandoffPeerGoneError(f"receiver silent for over {timeout}s"))
+            return
+        self._ping_seq += 1
+        self.send(Kind.PING, {"seq": self._ping_seq})
+
+    def fail(self, error: HandoffError) -> None:
+        """The link is unusable: stop its frame sends and close the endpoint. The sender fails
+        the transfers that use it."""
+        if self.dead is not None:
+            return
+        self.dead = error
+        level = logging.INFO if isinstance(error, HandoffCancelledError) else logging.WARNING
+        log.log(level, "handoff link to %s (session %x) down: %s", self.host, self.session_id, error)
+        if not self.ready.done():
+            self.ready.set_exception(error)
+            self.ready.exception()  # retrieved: transfers may not be waiting yet
+        for task in list(self._frame_sends):
+            task.cancel()
+        if self._connector is not asyncio.current_task():
+            self._connector.cancel()
+        if self.endpoint is not None:
+            self._transport.close_endpoint(self.endpoint)

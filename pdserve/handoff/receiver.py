@@ -1,0 +1,404 @@
+"""Decode side of the handoff: reserve blocks, accept authenticated pieces into exactly those
+blocks, verify the fence, and tell the decode worker when the KV is ready (or why not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.kv_layout import KVLayout
+from pdserve.handoff.admission import StagingAdmission
+from pdserve.handoff.errors import (
+    HandoffCancelledError, HandoffCapacityError, HandoffDigestError, HandoffError,
+    HandoffPeerGoneError, HandoffProtocolError, HandoffTimeoutError, HandoffUnknownTransferError,
+    error_from_code,
+)
+from pdserve.handoff.faults import ReceiverFaults
+from pdserve.handoff.inbound import InboundState, InboundTransfer
+from pdserve.handoff.kvcopy import PieceSpec, digest_and_scatter, piece_view
+from pdserve.handoff.sessions import SenderSession, SessionTable
+from pdserve.handoff.staging import StagingPool, StagingStats
+from pdserve.handoff.ticket import FenceInfo, HandoffTicket
+from pdserve.handoff.transport import HandoffTransport
+from pdserve.handoff.wire import MAX_PIECES, Frame, Kind, WireError, data_tag, peek
+
+log = logging.getLogger(__name__)
+_ROLE_KINDS = (Kind.HELLO, Kind.PROOF, Kind.BEGIN, Kind.PIECE, Kind.FENCE,
+               Kind.ABORT_TO_RECEIVER, Kind.PING)
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    num_active: int
+    num_ready: int
+    num_failed: int
+    num_drained: int
+    num_refused_peers: int
+    num_rejected_frames: int
+    staging: StagingStats
+
+
+class HandoffReceiver:
+    """Owns reservations into one KV cache tensor (``layout.cache_shape(num_blocks)``).
+
+    Contract with the decode worker: blocks passed to `reserve` belong to the handoff until
+    the ticket ends (ready, failed or cancelled). From that moment the receiver never writes
+    into them again and the decode worker frees them (or joins them to its batch); the
+    receiver never frees engine blocks itself. All public methods are thread-safe.
+    """
+
+    def __init__(self, transport: HandoffTransport, cache: torch.Tensor, layout: KVLayout,
+                 *, faults: ReceiverFaults | None = None) -> None:
+        expected = layout.cache_shape(cache.shape[2]) if cache.dim() == 6 else None
+        if tuple(cache.shape) != expected or cache.dtype != layout.torch_dtype:
+            raise ValueError(f"cache {tuple(cache.shape)}/{cache.dtype} does not match layout "
+                             f"{layout} (want {expected}/{layout.torch_dtype})")
+        if not cache.is_contiguous():
+            raise ValueError("the KV cache tensor must be contiguous")
+        self._transport, self._cache, self._layout = transport, cache, layout
+        self._config = transport.config
+        self._faults = faults or ReceiverFaults()
+        self._pool = StagingPool(self._config.receiver_staging_bytes, cache.device)
+        self._admission = StagingAdmission(self._pool)
+        self._sessions = SessionTable(transport)
+        self._lock = threading.Lock()  # guards the three registries below
+        self._by_request: dict[str, InboundTransfer] = {}
+        self._by_tid: dict[int, InboundTransfer] = {}
+        self._writable: set[int] = set()
+        self._tasks: dict[int, set[asyncio.Task[None]]] = {}  # loop only, by transfer id
+        self._counts = {"ready": 0, "failed": 0, "drained": 0, "rejected": 0}
+        self._sweeper: asyncio.Task[None] | None = None
+        transport.register(_ROLE_KINDS, self._on_frame)
+        transport.on_shutdown(self._on_shutdown)
+        transport.call_soon(self._start_sweeper)
+
+    # ---- decode worker API -------------------------------------------------------------
+    def reserve(self, request_id: str, block_ids: Sequence[int], layout: KVLayout,
+                num_tokens: int, deadline: float | None = None) -> HandoffTicket:
+        """Open a slot for ``request_id``'s KV in ``block_ids`` (any order, any ids).
+
+        ``deadline`` is absolute Unix time (``time.time()``); default: now + default_timeout_s.
+        Raises ValueError (LayoutMismatchError for a layout that differs from the cache's).
+        """
+        self._layout.check_matches(layout)
+        ids = tuple(int(b) for b in block_ids)
+        num_cache_blocks = self._cache.shape[2]
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= b < num_cache_blocks for b in ids):
+            raise ValueError(f"block ids must be unique and within [0, {num_cache_blocks})")
+        now = time.time()
+        deadline = now + self._config.default_timeout_s if deadline is None else deadline
+        if deadline <= now:
+            raise ValueError(f"deadline {deadline} is already past")
+        max_piece = min(self._config.max_piece_bytes, self._config.receiver_staging_bytes)
+        with self._lock:
+            current = self._by_request.get(request_id)
+            if current is not None and not current.terminal:
+                raise ValueError(f"request {request_id!r} already holds a live reservation")
+            clash = self._writable.intersection(ids)
+            if clash:
+                raise ValueError(f"blocks {sorted(clash)[:8]} are reserved by another transfer")
+            record = InboundTransfer(
+                request_id, self._new_transfer_id(), layout,
+                torch.tensor(ids, dtype=torch.int64, device=self._cache.device), ids, num_tokens,
+                time.monotonic() + (deadline - now), max_piece, self._transport.instance_id)
+            ticket = HandoffTicket(
+                request_id, record.transfer_id, self._transport.address,
+                self._transport.instance_id, self._transport.host, len(ids), num_tokens,
+                record.expected_bytes, max_piece, deadline, layout)
+            self._by_request[request_id] = record
+            self._by_tid[record.transfer_id] = record
+            self._writable.update(ids)
+        self._transport.call_soon(self._arm_deadline, record)
+        return ticket
+
+    def ready_future(self, request_id: str) -> concurrent.futures.Future[FenceInfo]:
+        """Resolves with the `FenceInfo` once ready, or raises the `HandoffError` that ended it."""
+        with self._lock:
+            record = self._by_request.get(request_id)
+        if record is None:
+            raise HandoffUnknownTransferError(f"no reservation for request {request_id!r}")
+        return record.result
+
+    def wait_ready(self, request_id: str, timeout: float | None = None) -> FenceInfo:
+        """Block until ready. Raises a `HandoffError` if the transfer ended otherwise, or the
+        builtin TimeoutError if only this wait timed out (the transfer then goes on)."""
+        try:
+            return self.ready_future(request_id).result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"request {request_id!r} not ready within {timeout}s") from None
+
+    async def wait_ready_async(self, request_id: str, timeout: float | None = None) -> FenceInfo:
+        """`wait_ready` for asyncio code (any event loop)."""
+        future = asyncio.wrap_future(self.ready_future(request_id))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"request {request_id!r} not ready within {timeout}s") from None
+
+    def cancel(self, request_id: str) -> bool:
+        """End the transfer now; on return nothing writes into its blocks any more."""
+        with self._lock:
+            record = self._by_request.get(request_id)
+        if record is None or record.terminal:
+            return False
+        error = HandoffCancelledError(f"request {request_id!r} cancelled by the decode worker")
+        if self._finish(record, error):
+            self._transport.call_soon(self._tell_sender, record, error, None)
+        return True
+
+    def close(self) -> None:
+        """Cancel every live transfer and stop handling frames (the transport keeps running)."""
+        self._transport.unregister(_ROLE_KINDS, self._on_frame)
+        self._transport.remove_shutdown_hook(self._on_shutdown)
+        self._on_shutdown()
+        if self._sweeper is not None:
+            self._transport.call_soon(self._sweeper.cancel)
+
+    def writable_block_ids(self) -> frozenset[int]:
+        """Blocks that a live transfer may still write into (empty once all have ended)."""
+        with self._lock:
+            return frozenset(self._writable)
+
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            active = sum(not r.terminal for r in self._by_request.values())
+        return ReceiverStats(active, self._counts["ready"], self._counts["failed"],
+                             self._counts["drained"], self._sessions.num_refused,
+                             self._counts["rejected"], self._pool.stats())
+
+    # ---- ending a transfer ---------------------------------------------------------------
+    def _finish(self, record: InboundTransfer, error: HandoffError | None) -> bool:
+        with record.write_lock:
+            if not record.finish(error, time.monotonic()):
+                return False
+        with self._lock:
+            self._writable.difference_update(record.block_id_list)
+            self._counts["ready" if error is None else "failed"] += 1
+        if error is None:
+            log.debug("handoff %s ready", record.request_id)
+        else:
+            log.info("handoff %s failed (%s): %s [%s]", record.request_id, error.code, error,
+                     record.progress())
+        self._transport.call_soon(self._after_finish, record)
+        return True
+
+    def _fail(self, record: InboundTransfer, error: HandoffError,
+              session: SenderSession | None = None) -> None:
+        if self._finish(record, error):
+            self._tell_sender(record, error, session)
+
+    def _tell_sender(self, record: InboundTransfer, error: HandoffError,
+                     session: SenderSession | None) -> None:
+        target = session or self._sessions.get(record.session_id)
+        if target is not None and target.key is not None:
+            self._sessions.send(target, Kind.ABORT_TO_SENDER,
+                                {"tid": record.transfer_id, "code": error.code, "message": str(error)})
+
+    def _after_finish(self, record: InboundTransfer) -> None:
+        self._admission.pump()  # waiters of this transfer get None and drain
+        if record.state is InboundState.FAILED and self._tasks.get(record.transfer_id):
+            # Receives still posted for a failed transfer: give a live sender time to send what
+            # it announced (drained on arrival), then stop waiting on a dead one.
+            self._transport.loop.call_later(self._config.peer_timeout_s, self._reap, record.transfer_id)
+
+    def _reap(self, transfer_id: int) -> None:
+        for task in list(self._tasks.get(transfer_id, ())):
+            task.cancel()
+
+    def _arm_deadline(self, record: InboundTransfer) -> None:
+        self._transport.loop.call_later(max(0.0, record.deadline - time.monotonic()),
+                                         self._expire, record)
+
+    def _expire(self, record: InboundTransfer) -> None:
+        if not record.terminal:
+            self._fail(record, HandoffTimeoutError(
+                f"handoff of {record.request_id!r} missed its deadline ({record.progress()})"))
+
+    # ---- frames --------------------------------------------------------------------------
+    def _on_frame(self, kind: Kind, raw: bytes) -> None:
+        try:
+            if kind is Kind.HELLO:
+                return self._sessions.on_hello(raw)
+            if kind is Kind.PROOF:
+                return self._sessions.on_proof(raw)
+            frame, session = self._sessions.authenticate(raw, peek(raw)[1])
+        except WireError as exc:
+            self._counts["rejected"] += 1
+            log.warning("rejected a %s frame: %s", kind.name, exc)
+            return None
+        if kind is Kind.PING:
+            self._sessions.send(session, Kind.PONG, {"seq": frame.body["seq"]})
+            return None
+        record = self._by_tid.get(frame.body["tid"])
+        if kind is Kind.BEGIN:
+            self._on_begin(record, frame, session)
+        elif kind is Kind.PIECE:
+            self._on_piece(record, frame, session)
+        elif kind is Kind.FENCE and record is not None and not record.terminal:
+            try:
+                record.accept_fence(session.session_id, frame.body)
+            except HandoffError as exc:
+                return self._fail(record, exc, session)
+            self._maybe_ready(record)
+        elif kind is Kind.ABORT_TO_RECEIVER and record is not None and not record.terminal:
+            if record.session_id == session.session_id:
+                cause = error_from_code(frame.body["code"], frame.body["message"])
+                self._finish(record, type(cause)(f"sender aborted: {cause}"))
+        return None
+
+    def _on_begin(self, record: InboundTransfer | None, frame: Frame,
+                  session: SenderSession) -> None:
+        tid = frame.body["tid"]
+        if record is None or record.terminal:
+            reason = (record.error if record is not None and record.error is not None
+                      else HandoffUnknownTransferError(f"no live reservation for transfer {tid}"))
+            self._sessions.send(session, Kind.ABORT_TO_SENDER,
+                                {"tid": tid, "code": reason.code, "message": str(reason)})
+            return
+        try:
+            record.accept_begin(session.session_id, frame.body)
+        except HandoffError as exc:
+            self._fail(record, exc, session)
+
+    def _on_piece(self, record: InboundTransfer | None, frame: Frame,
+                  session: SenderSession) -> None:
+        index = frame.body["index"]
+        if not 0 <= index < MAX_PIECES:
+            if record is not None:
+                self._fail(record, HandoffProtocolError(f"piece index {index} out of range"), session)
+            return
+        tid = frame.body["tid"]
+        tag = data_tag(tid, index)
+        if record is None or record.terminal:
+            self._track(tid, self._drain(tag))
+            return
+        try:
+            spec = record.accept_piece(session.session_id, frame.body)
+        except HandoffError as exc:
+            self._fail(record, exc, session)
+            self._track(tid, self._drain(tag))
+            return
+        self._track(tid, self._receive_piece(record, spec, tag))
+
+    def _track(self, tid: int, coro: object) -> None:
+        task = self._transport.spawn(coro)  # type: ignore[arg-type]
+        bucket = self._tasks.setdefault(tid, set())
+        bucket.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            bucket.discard(t)
+            if not bucket and self._tasks.get(tid) is bucket:
+                del self._tasks[tid]
+        task.add_done_callback(done)
+
+    # ---- payload --------------------------------------------------------------------------
+    async def _drain(self, tag: int) -> None:
+        await asyncio.wait_for(self._transport.drain(tag), self._config.default_timeout_s)
+        self._counts["drained"] += 1
+
+    async def _receive_piece(self, record: InboundTransfer, spec: PieceSpec, tag: int) -> None:
+        nbytes = spec.nbytes(record.layout)
+        if not self._pool.fits_ever(nbytes):
+            self._fail(record, HandoffCapacityError(f"piece of {nbytes} bytes exceeds staging"))
+            return await self._drain(tag)
+        buffer = await self._admission.acquire(nbytes, lambda: record.terminal)
+        if buffer is None:
+            return await self._drain(tag)
+        view = buffer[:nbytes]
+        try:
+            if self._faults.recv_delay_s:
+                await asyncio.sleep(self._faults.recv_delay_s)
+            await self._transport.recv_payload(view, tag)
+        except asyncio.CancelledError:
+            self._pool.quarantine(buffer)  # UCX may still write into it
+            raise
+        except Exception as exc:
+            self._admission.release(buffer)
+            return self._fail(record, HandoffPeerGoneError(f"piece {spec.index} failed: {exc}"))
+        # The payload thread keeps using the buffer even if this task is cancelled: release it
+        # only when that work is over.
+        job = asyncio.ensure_future(self._transport.run_payload(self._land, record, spec, view))
+        job.add_done_callback(lambda _: self._admission.release(buffer))
+        try:
+            actual = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("landing piece %d of %r failed", spec.index, record.request_id)
+            return self._fail(record, HandoffError(f"landing piece {spec.index} failed: {exc}"))
+        if actual is None:
+            self._counts["drained"] += 1
+        elif actual != record.piece_digest(spec.index):
+            self._fail(record, HandoffDigestError(
+                f"piece {spec.index} (layers {spec.layer_start}-{spec.layer_end - 1}) of "
+                f"{record.request_id!r} hashes to {actual:#x}, its header said "
+                f"{record.piece_digest(spec.index):#x}"))
+        else:
+            record.mark_landed(spec.index)
+            self._maybe_ready(record)
+        return None
+
+    def _land(self, record: InboundTransfer, spec: PieceSpec, view: torch.Tensor) -> int | None:
+        """Payload thread: scatter under the write lock, unless the transfer already ended."""
+        with record.write_lock:
+            if record.terminal:
+                return None
+            staged = piece_view(view, spec, record.layout)
+            return digest_and_scatter(staged, self._cache, record.block_ids, spec, record.layout)
+
+    def _maybe_ready(self, record: InboundTransfer) -> None:
+        if not record.terminal and record.completion() is not None:
+            self._finish(record, None)
+
+    # ---- housekeeping ----------------------------------------------------------------------
+    def _start_sweeper(self) -> None:
+        self._sweeper = self._transport.spawn(self._sweep())
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.heartbeat_interval_s)
+            now = time.monotonic()
+            silent = set(self._sessions.silent(now, self._config.peer_timeout_s))
+            with self._lock:
+                records = list(self._by_request.values())
+            busy = set()
+            for record in records:
+                if record.state is InboundState.RECEIVING and record.session_id in silent:
+                    self._fail(record, HandoffPeerGoneError(
+                        f"sender of {record.request_id!r} silent for over "
+                        f"{self._config.peer_timeout_s}s ({record.progress()})"))
+                elif not record.terminal and record.session_id is not None:
+                    busy.add(record.session_id)
+            for session_id in silent - busy:
+                self._sessions.drop(session_id)
+            self._forget_finished(records, now)
+
+    def _forget_finished(self, records: list[InboundTransfer], now: float) -> None:
+        ttl = self._config.finished_ttl_s
+        with self._lock:
+            for record in records:
+                if record.finished_at is not None and now - record.finished_at > ttl:
+                    if self._by_request.get(record.request_id) is record:
+                        del self._by_request[record.request_id]
+                    self._by_tid.pop(record.transfer_id, None)
+
+    def _on_shutdown(self) -> None:
+        with self._lock:
+            records = list(self._by_request.values())
+        for record in records:
+            self._finish(record, HandoffCancelledError("decode handoff receiver shutting down"))
+
+    def _new_transfer_id(self) -> int:
+        while True:
+            tid = int.from_bytes(os.urandom(4), "little")
+            if tid and tid not in self._by_tid:
+                return tid

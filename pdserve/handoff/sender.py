@@ -1,0 +1,308 @@
+"""Prefill side of the handoff: push each request's KV, layer by layer as the engine writes it,
+into the blocks a decode worker reserved; then the fence; then report when its memory is free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.kv_layout import KVLayout
+from pdserve.handoff.errors import (
+    HandoffCancelledError, HandoffError, HandoffPeerGoneError, HandoffTimeoutError,
+    error_from_code,
+)
+from pdserve.handoff.faults import SenderFaults
+from pdserve.handoff.kvcopy import PieceSpec, combine_digests, digest, plan_pieces
+from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
+from pdserve.handoff.peers import PeerLink
+from pdserve.handoff.staging import StagingPool, StagingStats
+from pdserve.handoff.ticket import HandoffTicket
+from pdserve.handoff.transport import HandoffTransport
+from pdserve.handoff.wire import Kind, WireError, data_tag, peek
+
+log = logging.getLogger(__name__)
+_ROLE_KINDS = (Kind.CHALLENGE, Kind.WELCOME, Kind.REFUSED, Kind.PONG, Kind.ABORT_TO_SENDER)
+
+
+@dataclass(frozen=True)
+class SenderStats:
+    num_active: int
+    num_links: int
+    num_ok: int
+    num_failed: int
+    staging: StagingStats
+
+
+class HandoffSender:
+    """Pushes KV to receivers over pooled, authenticated links (one per receiver address,
+    many transfers multiplexed on it).
+
+    Engine integration: `start_transfer` when a request reaches its final prefill chunk;
+    `send_layer` from the compute thread right after each layer's K/V is written (it copies
+    the layer's blocks into staging and returns; the network never blocks compute);
+    `send_fence` after the step sampled the first token; free the source blocks only when the
+    transfer's ``released`` future resolved (deferred free). Thread-safe.
+    """
+
+    def __init__(self, transport: HandoffTransport, *, device: torch.device | str = "cpu",
+                 faults: SenderFaults | None = None) -> None:
+        self._transport = transport
+        self._config = transport.config
+        self._faults = faults or SenderFaults()
+        self._pool = StagingPool(self._config.sender_staging_bytes, device)
+        self._links: dict[bytes, PeerLink] = {}  # loop only
+        self._by_session: dict[int, PeerLink] = {}  # loop only
+        self._active: dict[int, OutboundTransfer] = {}  # loop only, by transfer id
+        self._counts = {"ok": 0, "failed": 0}
+        self._heartbeat: asyncio.Task[None] | None = None
+        transport.register(_ROLE_KINDS, self._on_frame)
+        transport.on_shutdown(self._on_shutdown)
+        transport.call_soon(self._start_heartbeats)
+
+    # ---- engine API --------------------------------------------------------------------
+    def start_transfer(self, ticket: HandoffTicket, block_ids: Sequence[int], layout: KVLayout,
+                       *, layers_per_piece: int | None = None) -> OutboundTransfer:
+        """Begin pushing ``block_ids`` (this worker's blocks, in the request's token order) to
+        the ticket's reservation. The receiver checks ``layout`` against what it reserved."""
+        if len(block_ids) != ticket.num_blocks:
+            raise ValueError(f"{len(block_ids)} source blocks for a ticket of {ticket.num_blocks}")
+        plan = plan_pieces(layout, ticket.num_blocks, self._config.min_piece_bytes,
+                           ticket.max_piece_bytes, layers_per_piece)
+        ids = torch.tensor([int(b) for b in block_ids], dtype=torch.int64, device=self._pool.device)
+        transfer = OutboundTransfer(ticket, layout, ids, plan, self._pool,
+                                    time.monotonic() + (ticket.deadline - time.time()))
+        transfer.queue = asyncio.Queue()  # binds to the handoff loop on first use
+        self._transport.call_soon(self._begin, transfer)  # runs before any later call_soon
+        return transfer
+
+    def send_layer(self, cache: torch.Tensor, layer: int,
+                   transfers: Sequence[OutboundTransfer]) -> None:
+        """Compute thread, right after layer ``layer`` (local index) was written: gather that
+        layer's blocks for every transfer in ``transfers`` and hand them to the transport."""
+        for transfer in transfers:
+            for piece in transfer.gather_layer(cache, layer):
+                self._transport.call_soon(self._enqueue, transfer, piece)
+
+    def send_all_layers(self, cache: torch.Tensor, transfers: Sequence[OutboundTransfer]) -> None:
+        """Every layer at once (the KV already exists, e.g. a full prefix-cache hit)."""
+        for layer in range(max((t.layout.num_local_layers for t in transfers), default=0)):
+            self.send_layer(cache, layer, [t for t in transfers if layer < t.layout.num_local_layers])
+
+    def send_fence(self, transfer: OutboundTransfer, first_token_id: int) -> None:
+        """After every layer was sent: announce completion with the first sampled token."""
+        transfer.request_fence()
+        self._transport.call_soon(self._enqueue, transfer, FenceRequest(first_token_id))
+
+    def cancel(self, transfer: OutboundTransfer, reason: str = "cancelled by the prefill worker") -> None:
+        """Give up the push; ``released`` still resolves only after in-flight sends ended."""
+        self._transport.call_soon(self._abort, transfer, HandoffCancelledError(reason))
+
+    def close(self) -> None:
+        """Abort every transfer and close links (the transport keeps running). Loop-safe."""
+        self._transport.unregister(_ROLE_KINDS, self._on_frame)
+        self._transport.remove_shutdown_hook(self._on_shutdown)
+        self._transport.call_soon(self._on_shutdown)
+
+    def stats(self) -> SenderStats:
+        return SenderStats(len(self._active), len(self._links), self._counts["ok"],
+                           self._counts["failed"], self._pool.stats())
+
+    # ---- loop: per-transfer pump --------------------------------------------------------------
+    def _begin(self, transfer: OutboundTransfer) -> None:
+        self._active[transfer.transfer_id] = transfer
+        transfer.link = link = self._link_for(transfer.ticket)
+        link.transfers.add(transfer)
+        delay = max(0.0, transfer.deadline - time.monotonic()) + self._config.send_grace_s
+        self._transport.loop.call_later(delay, self._expire, transfer)
+        transfer.pump = self._transport.spawn(self._pump(transfer, link))
+
+    def _link_for(self, ticket: HandoffTicket) -> PeerLink:
+        link = self._links.get(ticket.receiver_address)
+        if link is None or link.dead is not None:
+            link = PeerLink(self._transport, ticket.receiver_address, ticket.receiver_host)
+            self._links[ticket.receiver_address] = link
+            self._by_session[link.session_id] = link
+        return link
+
+    def _enqueue(self, transfer: OutboundTransfer, item: ReadyPiece | FenceRequest) -> None:
+        if transfer.pump_done:
+            if isinstance(item, ReadyPiece):
+                self._pool.release(item.buffer)
+            return
+        transfer.queue.put_nowait(item)
+
+    async def _pump(self, transfer: OutboundTransfer, link: PeerLink) -> None:
+        """Announce and send pieces in order, then the fence. Exits on fence or on error."""
+        try:
+            await link.ready
+            ticket = transfer.ticket
+            link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
+                                   "request_id": ticket.request_id,
+                                   "layout": transfer.layout.to_dict(), "num_blocks": ticket.num_blocks})
+            transfer.begun = True
+            records: list[tuple[PieceSpec, int, int]] = []
+            while transfer.error is None:
+                item = await transfer.queue.get()
+                if item is None or transfer.error is not None:
+                    break
+                if isinstance(item, FenceRequest):
+                    link.send(Kind.FENCE, self._fence_body(transfer, item, records))
+                    break
+                records.append(await self._announce(transfer, link, item))
+        except HandoffError as exc:
+            transfer.fail(exc)
+        finally:
+            self._close_pump(transfer, link)
+
+    async def _announce(self, transfer: OutboundTransfer, link: PeerLink,
+                        piece: ReadyPiece) -> tuple[PieceSpec, int, int]:
+        spec, nbytes = piece.spec, piece.spec.nbytes(transfer.layout)
+        view = piece.buffer[:nbytes]
+        job = asyncio.ensure_future(self._transport.run_payload(_wait_and_digest, view, piece.event))
+        try:
+            piece_digest = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda _: self._pool.release(piece.buffer))
+            raise
+        if self._faults.corrupt_piece == spec.index:
+            view[nbytes // 2] ^= 0xFF  # after hashing: what a flipped bit on the wire looks like
+        claimed = nbytes + (self._faults.inflate_piece_bytes if spec.index == 0 else 0)
+        link.send(Kind.PIECE, {"tid": transfer.transfer_id, "index": spec.index,
+                               "layers": [spec.layer_start, spec.layer_end],
+                               "blocks": [spec.block_start, spec.block_end],
+                               "nbytes": claimed, "digest": piece_digest})
+        task = self._transport.spawn(self._send_data(transfer, link, piece, view))
+        transfer.sends.add(task)
+        return spec, nbytes, piece_digest
+
+    async def _send_data(self, transfer: OutboundTransfer, link: PeerLink, piece: ReadyPiece,
+                         view: torch.Tensor) -> None:
+        """Every announced piece is sent, even after an abort: the receiver drains it."""
+        try:
+            await self._transport.send_payload(link.endpoint, view, data_tag(transfer.transfer_id,
+                                                                              piece.spec.index))
+            transfer.bytes_sent += view.numel()
+            transfer.pieces_sent += 1
+            self._pool.release(piece.buffer)
+        except asyncio.CancelledError:
+            self._pool.quarantine(piece.buffer)  # the peer may still read it
+            raise
+        except Exception as exc:
+            self._pool.release(piece.buffer)
+            transfer.fail(HandoffPeerGoneError(f"sending piece {piece.spec.index} failed: {exc}"))
+        finally:
+            transfer.sends.discard(asyncio.current_task())
+            self._maybe_release(transfer)
+
+    def _fence_body(self, transfer: OutboundTransfer, fence: FenceRequest,
+                    records: list[tuple[PieceSpec, int, int]]) -> dict[str, object]:
+        return {"tid": transfer.transfer_id, "num_pieces": len(records),
+                "nbytes": sum(r[1] for r in records), "digest": combine_digests(records),
+                "first_token_id": fence.first_token_id, "num_tokens": transfer.ticket.num_tokens}
+
+    def _close_pump(self, transfer: OutboundTransfer, link: PeerLink) -> None:
+        transfer.pump_done = True
+        error = transfer.error
+        if (error is not None and transfer.begun and not transfer.receiver_aborted
+                and link.dead is None):
+            link.send(Kind.ABORT_TO_RECEIVER, {"tid": transfer.transfer_id, "code": error.code,
+                                               "message": str(error)})
+        while not transfer.queue.empty():
+            item = transfer.queue.get_nowait()
+            if isinstance(item, ReadyPiece):
+                self._pool.release(item.buffer)
+        self._maybe_release(transfer)
+
+    def _maybe_release(self, transfer: OutboundTransfer) -> None:
+        if not transfer.pump_done or transfer.sends or transfer.released.done():
+            return
+        for buffer in transfer.take_unfinished_buffers():
+            self._pool.release(buffer)
+        self._active.pop(transfer.transfer_id, None)
+        transfer.link.transfers.discard(transfer)
+        result = transfer.result()
+        self._counts["ok" if result.ok else "failed"] += 1
+        if not result.ok:
+            log.info("handoff push of %s ended: %s", transfer.request_id, result.error)
+        transfer.released.set_result(result)
+
+    # ---- loop: failures -------------------------------------------------------------------------
+    def _abort(self, transfer: OutboundTransfer, error: HandoffError, *,
+               from_receiver: bool = False, force: bool = False) -> None:
+        """Stop pushing (the pump tells the receiver unless it was the receiver's call).
+        Announced pieces still go out, for the receiver drains them, unless ``force``: then
+        in-flight sends are cancelled (dead peer, deadline long past)."""
+        if transfer.fail(error) and from_receiver:
+            transfer.receiver_aborted = True
+        if not transfer.pump_done:
+            transfer.queue.put_nowait(None)
+        if force:
+            transfer.pump.cancel()
+            for task in list(transfer.sends):
+                task.cancel()
+        self._maybe_release(transfer)
+
+    def _expire(self, transfer: OutboundTransfer) -> None:
+        if not transfer.released.done():
+            self._abort(transfer, HandoffTimeoutError(
+                f"push of {transfer.request_id!r} still in flight {self._config.send_grace_s}s "
+                f"after its deadline"), force=True)
+
+    def _on_frame(self, kind: Kind, raw: bytes) -> None:
+        link = self._by_session.get(peek(raw)[1])
+        if link is None:
+            return
+        try:
+            frame = link.on_frame(kind, raw)
+        except WireError as exc:
+            log.warning("rejected a %s frame from %s: %s", kind.name, link.host, exc)
+            return
+        if link.dead is not None:
+            self._link_down(link)
+        if frame is not None and kind is Kind.ABORT_TO_SENDER:
+            transfer = self._active.get(frame.body["tid"])
+            if transfer is not None and transfer in link.transfers:
+                cause = error_from_code(frame.body["code"], frame.body["message"])
+                self._abort(transfer, type(cause)(f"receiver ended the transfer: {cause}"),
+                            from_receiver=True)
+
+    def _link_down(self, link: PeerLink) -> None:
+        assert link.dead is not None
+        for transfer in list(link.transfers):
+            self._abort(transfer, type(link.dead)(str(link.dead)), force=True)
+        if self._links.get(link.address) is link:
+            del self._links[link.address]
+        self._by_session.pop(link.session_id, None)
+
+    def _start_heartbeats(self) -> None:
+        self._heartbeat = self._transport.spawn(self._heartbeats())
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.heartbeat_interval_s)
+            now = time.monotonic()
+            for link in list(self._links.values()):
+                link.ping_if_due(now)
+                if link.dead is not None:
+                    self._link_down(link)
+
+    def _on_shutdown(self) -> None:
+        for transfer in list(self._active.values()):
+            self._abort(transfer, HandoffCancelledError("prefill handoff sender shutting down"),
+                        force=True)
+        for link in list(self._links.values()):
+            link.fail(HandoffCancelledError("sender shutting down"))
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+
+
+def _wait_and_digest(view: torch.Tensor, event: object) -> int:
+    if event is not None:
+        event.synchronize()  # type: ignore[attr-defined]
+    return digest(view)

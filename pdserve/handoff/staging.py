@@ -1,0 +1,130 @@
+"""A bounded pool of reusable contiguous byte buffers (host or CUDA) for pieces in flight.
+
+Reuse matters: a fresh host buffer page-faults on first touch, which costs as much as the copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+_MIN_CLASS = 64 * 1024
+
+
+@dataclass(frozen=True)
+class StagingStats:
+    capacity_bytes: int
+    in_use_bytes: int
+    cached_bytes: int
+    peak_in_use_bytes: int
+    num_acquired: int
+    num_refused: int
+    num_quarantined: int
+
+
+class StagingPool:
+    """Hands out uint8 buffers of power-of-two size classes, never more than ``capacity_bytes``
+    in use plus cached. Thread-safe. ``try_acquire`` never blocks: callers decide whether to
+    queue (receiver) or fail the transfer (sender, whose compute thread must not wait).
+
+    Ownership: a buffer belongs to its acquirer until ``release``; the pool never hands the
+    same buffer to two holders and never frees one that is in use.
+    """
+
+    def __init__(self, capacity_bytes: int, device: torch.device | str = "cpu") -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"staging capacity must be positive, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.device = torch.device(device)
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._in_use: dict[int, tuple[int, torch.Tensor]] = {}  # id -> (class size, buffer)
+        self._quarantined: list[torch.Tensor] = []
+        self._in_use_bytes = 0
+        self._cached_bytes = 0
+        self._peak = 0
+        self._num_acquired = 0
+        self._num_refused = 0
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(_MIN_CLASS, 1 << max(0, nbytes - 1).bit_length())
+
+    def fits_ever(self, nbytes: int) -> bool:
+        return self.size_class(nbytes) <= self.capacity_bytes
+
+    def try_acquire(self, nbytes: int) -> torch.Tensor | None:
+        """A buffer of at least ``nbytes`` bytes, or None when the bound would be exceeded."""
+        size = self.size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                buffer = free.pop()
+                self._cached_bytes -= size
+            else:
+                if self._in_use_bytes + size > self.capacity_bytes:
+                    self._num_refused += 1
+                    return None
+                self._evict_locked(self._in_use_bytes + self._cached_bytes + size - self.capacity_bytes)
+                buffer = None
+            self._in_use_bytes += size
+            self._peak = max(self._peak, self._in_use_bytes)
+            self._num_acquired += 1
+        if buffer is None:
+            # Allocate outside the lock: page faults or a CUDA malloc can take a while.
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        with self._lock:
+            self._in_use[id(buffer)] = (size, buffer)
+        return buffer
+
+    def release(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            entry = self._in_use.pop(id(buffer), None)
+            if entry is None:
+                raise ValueError("releasing a staging buffer this pool did not hand out")
+            size = entry[0]
+            self._in_use_bytes -= size
+            self._free.setdefault(size, []).append(buffer)
+            self._cached_bytes += size
+
+    def quarantine(self, buffer: torch.Tensor) -> None:
+        """Retire a buffer whose UCX request was cancelled: UCX may still write into (or read
+        from) it, so it is never reused nor freed while the pool lives; its bytes stop
+        counting against the bound."""
+        with self._lock:
+            entry = self._in_use.pop(id(buffer), None)
+            if entry is None:
+                raise ValueError("quarantining a staging buffer this pool did not hand out")
+            size = entry[0]
+            self._in_use_bytes -= size
+            self._quarantined.append(buffer)
+
+    def _evict_locked(self, excess: int) -> None:
+        for size in sorted(self._free, reverse=True):
+            bucket = self._free[size]
+            while bucket and excess > 0:
+                bucket.pop()
+                self._cached_bytes -= size
+                excess -= size
+            if excess <= 0:
+                return
+
+    def stats(self) -> StagingStats:
+        with self._lock:
+            return StagingStats(
+                self.capacity_bytes, self._in_use_bytes, self._cached_bytes, self._peak,
+                self._num_acquired, self._num_refused, len(self._quarantined),
+            )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the bookkeeping disagrees with the buffers held."""
+        with self._lock:
+            in_use = sum(size for size, _ in self._in_use.values())
+            cached = sum(size * len(bucket) for size, bucket in self._free.items())
+        if in_use != self._in_use_bytes or cached != self._cached_bytes:
+            raise AssertionError(
+                f"staging pool accounting off: in use {in_use} vs {self._in_use_bytes}, "
+                f"cached {cached} vs {self._cached_bytes}"
+            )

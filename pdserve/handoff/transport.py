@@ -1,0 +1,282 @@
+"""The process's UCXX runtime: one background thread with its own asyncio loop, the UCX worker,
+the control-frame receive loop, endpoints, and payload send/receive/drain primitives.
+
+Sender and receiver roles sit on top of one `HandoffTransport`; only it touches ucxx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import socket
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from pdserve.handoff.config import HandoffConfig
+from pdserve.handoff.kvcopy import check_contiguous
+from pdserve.handoff.wire import CONTROL_TAG, MAX_FRAME_BYTES, Kind, WireError, peek
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+FrameHandler = Callable[[Kind, bytes], None]
+
+
+def host_identity() -> str:
+    """Same string for every process of one machine (boot), different across machines."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _ucx_buffer(buffer: torch.Tensor | np.ndarray) -> Any:
+    """What ucxx accepts: host memory as numpy (shares storage), CUDA tensors as they are."""
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous:
+            raise ValueError("refusing to send a non-contiguous numpy array")
+        return buffer
+    check_contiguous(buffer)
+    return buffer if buffer.is_cuda else buffer.view(torch.uint8).reshape(-1).numpy()
+
+
+async def _unpinned(operation: Awaitable[T]) -> T:
+    """Await a ucxx operation; on failure drop the traceback frames inside ucxx before
+    re-raising. ucxx keeps the exception in the request's future, and those frames reference
+    its context, which would then outlive ``ucxx.reset()`` at shutdown."""
+    try:
+        return await operation
+    except BaseException as exc:
+        raise exc.with_traceback(None) from None
+
+
+class HandoffTransport:
+    """Owns the handoff thread. Start once per process (ucxx keeps one context per process).
+
+    Thread-safety: `submit` and `call_soon` may be called from any thread; everything else
+    documented as "loop only" must run on the handoff loop (inside handlers or submitted
+    coroutines). `stop` is idempotent and never hangs longer than its timeout.
+    """
+
+    def __init__(self, config: HandoffConfig) -> None:
+        self.config = config
+        self.host = host_identity()
+        self.instance_id = int.from_bytes(os.urandom(8), "little") >> 1
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="pdserve-handoff", daemon=True)
+        self._payload = concurrent.futures.ThreadPoolExecutor(1, "pdserve-handoff-payload")
+        self._handlers: dict[Kind, FrameHandler] = {}
+        self._shutdown_hooks: list[Callable[[], None]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._endpoints: list[Any] = []
+        self._address = b""
+        self._started = False
+        self._stopped = False
+        self.num_bad_frames = 0
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self) -> HandoffTransport:
+        if self._started:
+            raise RuntimeError("HandoffTransport already started")
+        self._started = True
+        self._thread.start()
+        self._address = self.submit(self._init_ucx()).result(timeout=60)
+        log.info("handoff transport up on %s (instance %x)", self.host, self.instance_id)
+        return self
+
+    async def _init_ucx(self) -> bytes:
+        import ucxx
+
+        ucxx.init(options=self.config.ucx_options(), progress_mode="thread",
+                  enable_python_future=True)
+        # Fill the future pool now; otherwise the first request races ucxx's notifier thread
+        # and ucxx logs a warning (ucxx exposes the worker only through its context).
+        ucxx.core._get_ctx().worker.populate_python_futures_pool()
+        self.spawn(self._control_loop())
+        return bytes(ucxx.get_worker_address().tobytes())
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail what is in flight, close endpoints, stop ucxx's threads, end the loop thread."""
+        if not self._started or self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.submit(self._shutdown()).result(timeout=timeout)
+        except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+            log.warning("handoff transport shutdown incomplete: %s", exc)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=timeout)
+        self._payload.shutdown(wait=False, cancel_futures=True)
+
+    async def _shutdown(self) -> None:
+        import ucxx
+
+        for hook in self._shutdown_hooks:
+            try:
+                hook()
+            except Exception:  # a failing role must not keep UCX alive
+                log.exception("handoff shutdown hook failed")
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+        for task in tasks:
+            # A finished task keeps its exception, whose traceback keeps frames (and through
+            # them ucxx's context) alive; fetching it once lets asyncio drop it.
+            if task.done():
+                try:
+                    task.result()
+                except BaseException:  # noqa: BLE001 - we only discard it
+                    pass
+        self._tasks.clear()
+        del tasks
+        for endpoint in self._endpoints:
+            endpoint.abort()
+        self._endpoints.clear()
+        # The notifier thread must stop before the process exits or exit can hang (ucxx docs).
+        ucxx.stop_notifier_thread()
+        try:
+            ucxx.reset()
+        except Exception as exc:  # leaked references only delay freeing; never block exit
+            log.warning("ucxx.reset() incomplete: %s", str(exc)[:3000])
+
+    def __enter__(self) -> HandoffTransport:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- identity and scheduling ------------------------------------------------------
+    @property
+    def address(self) -> bytes:
+        """This worker's UCX address; peers connect with it (it goes into tickets)."""
+        return self._address
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def running(self) -> bool:
+        return self._started and not self._stopped
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._loop.call_soon_threadsafe(fn, *args)
+
+    def in_loop(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Loop only: run ``coro`` as a task that shutdown cancels and awaits."""
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def run_payload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Loop only: run CPU-heavy payload work (hash, scatter) off the loop, one at a time."""
+        return await self._loop.run_in_executor(self._payload, fn, *args)
+
+    def register(self, kinds: Iterable[Kind], handler: FrameHandler) -> None:
+        for kind in kinds:
+            self._handlers[kind] = handler
+
+    def unregister(self, kinds: Iterable[Kind], handler: FrameHandler) -> None:
+        for kind in kinds:
+            if self._handlers.get(kind) == handler:
+                del self._handlers[kind]
+
+    def on_shutdown(self, hook: Callable[[], None]) -> None:
+        self._shutdown_hooks.append(hook)
+
+    def remove_shutdown_hook(self, hook: Callable[[], None]) -> None:
+        if hook in self._shutdown_hooks:
+            self._shutdown_hooks.remove(hook)
+
+    # ---- UCX primitives (loop only) ----------------------------------------------------
+    async def open_endpoint(self, address: bytes, peer_host: str) -> Any:
+        """An endpoint to a peer worker; shared memory and CMA when the peer is on this host."""
+        import ucxx
+
+        same_host = peer_host == self.host
+        endpoint = await ucxx.create_endpoint_from_worker_address(
+            ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=not same_host
+        )
+        self._endpoints.append(endpoint)
+        return endpoint
+
+    def close_endpoint(self, endpoint: Any) -> None:
+        if endpoint in self._endpoints:
+            self._endpoints.remove(endpoint)
+        endpoint.abort()
+
+    async def send_frame(self, endpoint: Any, frame: bytes) -> None:
+        await _unpinned(endpoint.send(np.frombuffer(frame, dtype=np.uint8), tag=CONTROL_TAG,
+                                      force_tag=True))
+
+    async def send_payload(self, endpoint: Any, buffer: torch.Tensor, tag: int) -> None:
+        await _unpinned(endpoint.send(_ucx_buffer(buffer), tag=tag, force_tag=True))
+
+    async def recv_payload(self, buffer: torch.Tensor, tag: int) -> None:
+        import ucxx
+
+        await _unpinned(ucxx.recv(_ucx_buffer(buffer), tag=tag))
+
+    async def drain(self, tag: int) -> None:
+        """Consume one message with ``tag`` into a 1-byte buffer: UCX truncates it, the sender's
+        send completes, and not a byte of it lands anywhere."""
+        import ucxx
+
+        sink = np.empty(1, dtype=np.uint8)
+        try:
+            await _unpinned(ucxx.recv(sink, tag=tag))
+        except ucxx.exceptions.UCXMessageTruncatedError:
+            pass
+
+    async def _control_loop(self) -> None:
+        import ucxx
+
+        buffer = np.empty(MAX_FRAME_BYTES, dtype=np.uint8)
+        while True:
+            try:
+                await _unpinned(ucxx.recv(buffer, tag=CONTROL_TAG))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # truncated or failed frame: drop it, keep listening
+                self.num_bad_frames += 1
+                log.warning("dropped a control frame: %s", exc)
+                continue
+            self._dispatch(memoryview(buffer))
+
+    def _dispatch(self, view: memoryview) -> None:
+        try:
+            kind, _, total = peek(view)
+        except WireError as exc:
+            self.num_bad_frames += 1
+            log.warning("dropped a control frame: %s", exc)
+            return
+        handler = self._handlers.get(kind)
+        if handler is None:
+            self.num_bad_frames += 1
+            log.warning("dropped a %s frame: no handler in this process", kind.name)
+            return
+        try:
+            handler(kind, bytes(view[:total]))
+        except Exception:
+            self.num_bad_frames += 1
+            log.exception("handoff %s handler failed", kind.name)

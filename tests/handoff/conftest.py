@@ -1,0 +1,28 @@
+"""Fixtures for handoff tests: a long-lived receiver process and sender process (real UCXX over
+loopback, spawned, reused by every test of a module), stopped cleanly at the end.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+
+import pytest
+from handoff_agent import Agent
+
+
+def spawn_agents(*configs: dict | None) -> list[Agent]:
+    """Start several agents at once (each start imports torch and brings UCX up: seconds)."""
+    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
+        return list(pool.map(Agent.spawn, configs))
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Agent, Agent]]:
+    receiver, sender = spawn_agents(None, None)
+    yield receiver, sender
+    for agent in (receiver, sender):
+        agent.stop()
+    # A clean stop (notifier thread stopped, endpoints closed) exits 0 instead of hanging.
+    assert receiver.process.exitcode == 0
+    assert sender.process.exitcode == 0

@@ -1,0 +1,118 @@
+"""A real OS process running one handoff role, driven over a pipe by the tests (and benchmark).
+
+`Agent.spawn` starts it with multiprocessing "spawn" (never fork after UCX init); commands are
+plain dicts, replies plain dicts or bytes: nothing of the handoff is mocked.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+TEST_CONFIG: dict[str, Any] = {
+    "auth_token": "test-cluster-secret",
+    "default_timeout_s": 10.0,
+    "heartbeat_interval_s": 0.2,
+    "peer_timeout_s": 1.5,
+    "handshake_timeout_s": 5.0,
+    "send_grace_s": 1.0,
+    "receiver_staging_bytes": 32 << 20,
+    "sender_staging_bytes": 32 << 20,
+    "max_piece_bytes": 1 << 20,
+    "min_piece_bytes": 64 << 10,
+    "finished_ttl_s": 30.0,
+}
+
+
+class AgentError(RuntimeError):
+    """The child process failed a command, died, or did not answer in time."""
+
+
+class Agent:
+    """Parent-side handle of one child process."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess,
+                 conn: multiprocessing.connection.Connection, hello: dict[str, Any]) -> None:
+        self.process, self._conn = process, conn
+        self.pid: int = hello["pid"]
+        self.address: bytes = hello["address"]
+
+    @classmethod
+    def spawn(cls, config: dict[str, Any] | None = None, timeout: float = 60.0) -> Agent:
+        ctx = multiprocessing.get_context("spawn")
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=agent_main, args=(child, {**TEST_CONFIG, **(config or {})}),
+                              daemon=True)
+        process.start()
+        child.close()
+        if not parent.poll(timeout):
+            process.kill()
+            raise AgentError(f"handoff agent did not start within {timeout}s")
+        hello = parent.recv()
+        if "error" in hello:
+            raise AgentError(hello["error"])
+        return cls(process, parent, hello)
+
+    def call(self, op: str, *, reply_timeout: float = 30.0, **args: Any) -> Any:
+        self._conn.send({"op": op, **args})
+        deadline = time.monotonic() + reply_timeout
+        while not self._conn.poll(0.05):
+            if not self.process.is_alive():
+                raise AgentError(f"agent {self.pid} died (exit {self.process.exitcode}) during {op}")
+            if time.monotonic() > deadline:
+                raise AgentError(f"agent {self.pid} did not answer {op} within {reply_timeout}s")
+        reply = self._conn.recv()
+        if isinstance(reply, dict) and "agent_error" in reply:
+            raise AgentError(f"{op} failed in agent {self.pid}:\n{reply['agent_error']}")
+        return reply
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.process.join(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.process.is_alive():
+            try:
+                self.call("stop", reply_timeout=timeout)
+            except (AgentError, OSError, EOFError):
+                pass
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.kill()
+        self._conn.close()
+
+
+def agent_main(conn: multiprocessing.connection.Connection, config: dict[str, Any]) -> None:
+    logging.basicConfig(level=logging.WARNING, format="[agent %(process)d] %(name)s: %(message)s")
+    from handoff_agent_roles import Roles  # imported in the child only (torch, ucxx)
+    from pdserve.handoff import HandoffConfig, HandoffTransport
+
+    try:
+        transport = HandoffTransport(HandoffConfig(**config)).start()
+    except Exception:
+        conn.send({"error": traceback.format_exc()})
+        return
+    conn.send({"pid": os.getpid(), "address": transport.address})
+    roles = Roles(transport)
+    while True:
+        try:
+            command = conn.recv()
+        except EOFError:
+            break
+        op = command.pop("op")
+        if op == "stop":
+            roles.close()
+            transport.stop()
+            conn.send({"stopped": True})
+            break
+        try:
+            conn.send(getattr(roles, op)(**command))
+        except Exception:
+            conn.send({"agent_error": traceback.format_exc()})
+    conn.close()

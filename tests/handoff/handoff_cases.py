@@ -1,0 +1,60 @@
+"""Building blocks for the two-process handoff tests: layouts, role setup, polling."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from handoff_agent import Agent
+
+from pdserve.engine.kv_layout import KVLayout
+
+CACHE_BLOCKS = 48
+
+
+def random_layout(rng: random.Random, dtype: str, **overrides: Any) -> KVLayout:
+    values: dict[str, Any] = {
+        "model_fingerprint": f"tiny-{rng.randrange(1 << 30):x}",
+        "dtype": dtype,
+        "block_size": rng.choice([1, 4, 16]),
+        "num_layers": rng.randint(2, 6),
+        "num_kv_heads": rng.randint(1, 4),
+        "head_dim": rng.choice([8, 16, 64]),
+    }
+    values.update(overrides)
+    return KVLayout(**values)
+
+
+def setup_roles(receiver: Agent, sender: Agent, layout: KVLayout, *, seed: int = 0,
+                receiver_faults: dict[str, Any] | None = None,
+                sender_faults: dict[str, Any] | None = None,
+                sender_layout: KVLayout | None = None) -> None:
+    """Fresh caches (random bytes, different per side) and fresh roles on both agents."""
+    receiver.call("make_cache", layout=layout.to_dict(), num_blocks=CACHE_BLOCKS, seed=seed)
+    receiver.call("make_receiver", **(receiver_faults or {}))
+    sender.call("make_cache", layout=(sender_layout or layout).to_dict(),
+                num_blocks=CACHE_BLOCKS, seed=seed + 1)
+    sender.call("make_sender", **(sender_faults or {}))
+
+
+def pick_blocks(rng: random.Random, count: int, exclude: set[int] | None = None) -> list[int]:
+    """Distinct, unordered, non-contiguous block ids."""
+    free = [b for b in range(CACHE_BLOCKS) if b not in (exclude or set())]
+    return rng.sample(free, count)
+
+
+def reserve(receiver: Agent, request_id: str, block_ids: list[int], layout: KVLayout,
+            timeout_s: float = 10.0, num_tokens: int | None = None) -> dict[str, Any]:
+    tokens = num_tokens if num_tokens is not None else len(block_ids) * layout.block_size - 1
+    return receiver.call("reserve", request_id=request_id, block_ids=block_ids,
+                         num_tokens=max(1, tokens), timeout_s=timeout_s)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)

@@ -1,0 +1,141 @@
+"""KV handoff between two real OS processes over UCXX loopback: round trips, concurrency,
+deferred free, drained pieces. (Faults and refusals: test_faults.py.)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+from handoff_agent import Agent
+from handoff_cases import pick_blocks, random_layout, reserve, setup_roles, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _round_trip(receiver: Agent, sender: Agent, layout, rng: random.Random, request_id: str,
+                num_blocks: int, layers_per_piece: int | None) -> None:
+    dst, src = pick_blocks(rng, num_blocks), pick_blocks(rng, num_blocks)
+    ticket = reserve(receiver, request_id, dst, layout)
+    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=7,
+                         layers_per_piece=layers_per_piece)
+    ready = receiver.call("wait", request_id=request_id, timeout=20)
+    assert ready["ok"], ready
+    assert ready["first_token_id"] == 7
+    assert ready["num_bytes"] == ticket["expected_bytes"]
+    sent = sender.call("result", handle=pushed["handles"][0], timeout=20)
+    assert sent["ok"], sent
+    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_round_trip_is_byte_exact_for_random_layouts_and_groupings(pair, dtype: str) -> None:
+    receiver, sender = pair
+    rng = random.Random(f"round-trip-{dtype}")
+    layout = random_layout(rng, dtype)
+    setup_roles(receiver, sender, layout, seed=rng.randrange(1000))
+    for grouping in (1, 2, None):  # one layer per piece, pairs, sized by min_piece_bytes
+        _round_trip(receiver, sender, layout, rng, f"{dtype}-{grouping}",
+                    rng.randint(1, 9), grouping)
+    assert receiver.call("receiver_stats")["writable_block_ids"] == []
+
+
+def test_round_trip_of_a_pipeline_stage_layer_range(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("stage")
+    layout = random_layout(rng, "bfloat16", num_layers=7, layer_start=2, layer_end=5)
+    setup_roles(receiver, sender, layout, seed=3)
+    _round_trip(receiver, sender, layout, rng, "stage", 5, 2)
+
+
+def test_round_trip_splits_layers_larger_than_a_piece(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("split")
+    # 64 KiB per block and layer; 20 blocks = 1.25 MiB per layer > the 1 MiB piece bound.
+    layout = random_layout(rng, "float32", block_size=16, num_kv_heads=4, head_dim=64,
+                           num_layers=2)
+    setup_roles(receiver, sender, layout, seed=5)
+    _round_trip(receiver, sender, layout, rng, "split", 20, None)
+
+
+def test_sixteen_concurrent_transfers_share_one_endpoint_and_land_in_their_own_blocks(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("sixteen")
+    layout = random_layout(rng, "float16", num_layers=3, block_size=4)
+    setup_roles(receiver, sender, layout, seed=11)
+    dst_all = pick_blocks(rng, 32)
+    src_all = pick_blocks(rng, 32)
+    dst = [dst_all[2 * i : 2 * i + 2] for i in range(16)]
+    src = [src_all[2 * i : 2 * i + 2][:: 1 if i % 2 else -1] for i in range(16)]
+    tickets = [reserve(receiver, f"many-{i}", dst[i], layout) for i in range(16)]
+    pushed = sender.call("push", tickets=tickets, block_ids=src, first_token_id=100)
+    for i in range(16):
+        ready = receiver.call("wait", request_id=f"many-{i}", timeout=30)
+        assert ready["ok"], ready
+        assert ready["first_token_id"] == 100 + i  # each fence reached its own ticket
+    for i, handle in enumerate(pushed["handles"]):
+        assert sender.call("result", handle=handle, timeout=30)["ok"]
+        assert receiver.call("read", block_ids=dst[i]) == sender.call("read", block_ids=src[i])
+    assert sender.call("sender_stats")["num_links"] == 1  # one endpoint pair for all 16
+
+
+def test_deferred_free_waits_for_a_slow_receiver(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("slow")
+    layout = random_layout(rng, "float32", num_layers=2)
+    delay = 1.0
+    setup_roles(receiver, sender, layout, seed=13, receiver_faults={"recv_delay_s": delay})
+    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
+    ticket = reserve(receiver, "slow", dst, layout)
+    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)
+    handle = pushed["handles"][0]
+    time.sleep(delay / 2)  # observation point inside the receiver's delay, not a wait
+    assert not sender.call("released", handle=handle), "blocks released before the data left"
+    sent = sender.call("result", handle=handle, timeout=20)
+    ready = receiver.call("wait", request_id="slow", timeout=20)
+    assert sent["ok"] and ready["ok"]
+    # The send could only complete once the slow receiver posted its buffer.
+    assert sent["released_at"] - pushed["started_at"] >= delay
+    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+
+
+def test_pieces_of_cancelled_or_unknown_transfers_are_drained_never_written(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("drain")
+    layout = random_layout(rng, "float32", num_layers=4)
+    setup_roles(receiver, sender, layout, seed=17)
+    dst, src = pick_blocks(rng, 6), pick_blocks(rng, 6)
+    before = receiver.call("read", block_ids=dst)
+
+    cancelled = reserve(receiver, "cancelled", dst, layout)
+    assert receiver.call("cancel", request_id="cancelled")
+    unknown = dict(cancelled, transfer_id=cancelled["transfer_id"] ^ 0x5A5A5A5A, request_id="ghost")
+    pushed = sender.call("push", tickets=[cancelled, unknown], block_ids=[src, src],
+                         first_token_id=3, layers_per_piece=1)
+    results = [sender.call("result", handle=h, timeout=20) for h in pushed["handles"]]
+    assert [r["code"] for r in results] == ["cancelled", "unknown_transfer"]
+    wait_until(lambda: receiver.call("receiver_stats")["num_drained"] >= 1, 10, "drained pieces")
+    assert receiver.call("read", block_ids=dst) == before
+    outcome = receiver.call("wait", request_id="cancelled", timeout=5)
+    assert outcome["code"] == "cancelled" and outcome["blocks_released"]
+
+
+def test_cancel_during_transfer_stops_all_writes(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("cancel-mid")
+    layout = random_layout(rng, "float16", num_layers=6)
+    setup_roles(receiver, sender, layout, seed=19, receiver_faults={"recv_delay_s": 1.0})
+    dst, src = pick_blocks(rng, 5), pick_blocks(rng, 5)
+    ticket = reserve(receiver, "mid", dst, layout)
+    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
+                         layers_per_piece=1)
+    time.sleep(0.5)  # every piece is announced; its buffer is posted only after the delay
+    assert receiver.call("cancel", request_id="mid")
+    after_cancel = receiver.call("read", block_ids=dst)
+    sent = sender.call("result", handle=pushed["handles"][0], timeout=20)
+    # Small pieces go eager (their sends complete locally), large ones wait for the receiver,
+    # which drains them and tells the sender: either way every send ended.
+    assert sent["ok"] or sent["code"] == "cancelled", sent
+    assert receiver.call("read", block_ids=dst) == after_cancel
+    assert dst[0] not in receiver.call("receiver_stats")["writable_block_ids"]
