@@ -42,9 +42,11 @@ class OutboundTransfer:
 
     Deferred free: ``released`` resolves with a `SendResult` only when no send of this
     transfer is in flight any more (all completed, or aborted because the peer failed or the
-    deadline passed). Until then the prefill worker must keep the source blocks; after it,
-    UCX touches none of this transfer's memory again. ``SendResult.error`` says whether the
-    push succeeded. Callbacks added with `add_done_callback` run on the handoff thread.
+    deadline passed) and the outcome is known: the receiver confirmed the fence, or refused
+    the transfer, or a local error ended it. Until then the prefill worker must keep the
+    source blocks; after it, UCX touches none of this transfer's memory again.
+    ``SendResult.error`` is None exactly when the receiver confirmed the KV ready. Callbacks
+    added with `add_done_callback` run on the handoff thread: keep them short.
     """
 
     ticket: HandoffTicket
@@ -67,6 +69,7 @@ class OutboundTransfer:
     pump: Any = None  # the asyncio task announcing its pieces
     begun: bool = False  # BEGIN went out: the receiver knows this transfer
     receiver_aborted: bool = False  # the receiver ended it (no ABORT back needed)
+    confirmed: bool = False  # the receiver said DONE: fence verified
     pump_done: bool = False
     sends: set[Any] = field(default_factory=set)
     bytes_sent: int = 0

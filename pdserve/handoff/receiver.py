@@ -38,7 +38,8 @@ _ROLE_KINDS = (Kind.HELLO, Kind.PROOF, Kind.BEGIN, Kind.PIECE, Kind.FENCE,
 
 @dataclass(frozen=True)
 class ReceiverStats:
-    num_active: int
+    num_active: int  # reserved or receiving
+    num_receiving: int  # a sender began them
     num_ready: int
     num_failed: int
     num_drained: int
@@ -171,7 +172,8 @@ class HandoffReceiver:
     def stats(self) -> ReceiverStats:
         with self._lock:
             active = sum(not r.terminal for r in self._by_request.values())
-        return ReceiverStats(active, self._counts["ready"], self._counts["failed"],
+            receiving = sum(r.state is InboundState.RECEIVING for r in self._by_request.values())
+        return ReceiverStats(active, receiving, self._counts["ready"], self._counts["failed"],
                              self._counts["drained"], self._sessions.num_refused,
                              self._counts["rejected"], self._pool.stats())
 
@@ -205,6 +207,9 @@ class HandoffReceiver:
 
     def _after_finish(self, record: InboundTransfer) -> None:
         self._admission.pump()  # waiters of this transfer get None and drain
+        session = self._sessions.get(record.session_id)
+        if record.state is InboundState.READY and session is not None:
+            self._sessions.send(session, Kind.DONE, {"tid": record.transfer_id})
         if record.state is InboundState.FAILED and self._tasks.get(record.transfer_id):
             # Receives still posted for a failed transfer: give a live sender time to send what
             # it announced (drained on arrival), then stop waiting on a dead one.

@@ -27,7 +27,8 @@ from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import Kind, WireError, data_tag, peek
 
 log = logging.getLogger(__name__)
-_ROLE_KINDS = (Kind.CHALLENGE, Kind.WELCOME, Kind.REFUSED, Kind.PONG, Kind.ABORT_TO_SENDER)
+_ROLE_KINDS = (Kind.CHALLENGE, Kind.WELCOME, Kind.REFUSED, Kind.PONG, Kind.ABORT_TO_SENDER,
+               Kind.DONE)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,8 @@ class HandoffSender:
     def _maybe_release(self, transfer: OutboundTransfer) -> None:
         if not transfer.pump_done or transfer.sends or transfer.released.done():
             return
+        if transfer.error is None and not transfer.confirmed:
+            return  # all sent; the receiver's DONE (or ABORT, or a dead link) decides
         for buffer in transfer.take_unfinished_buffers():
             self._pool.release(buffer)
         self._active.pop(transfer.transfer_id, None)
@@ -265,12 +268,17 @@ class HandoffSender:
             return
         if link.dead is not None:
             self._link_down(link)
-        if frame is not None and kind is Kind.ABORT_TO_SENDER:
-            transfer = self._active.get(frame.body["tid"])
-            if transfer is not None and transfer in link.transfers:
-                cause = error_from_code(frame.body["code"], frame.body["message"])
-                self._abort(transfer, type(cause)(f"receiver ended the transfer: {cause}"),
-                            from_receiver=True)
+        transfer = self._active.get(frame.body["tid"]) if frame is not None else None
+        if transfer is None or transfer not in link.transfers:
+            return
+        if kind is Kind.DONE:
+            transfer.confirmed = True
+            self._maybe_release(transfer)
+        elif kind is Kind.ABORT_TO_SENDER:
+            assert frame is not None
+            cause = error_from_code(frame.body["code"], frame.body["message"])
+            self._abort(transfer, type(cause)(f"receiver ended the transfer: {cause}"),
+                        from_receiver=True)
 
     def _link_down(self, link: PeerLink) -> None:
         assert link.dead is not None

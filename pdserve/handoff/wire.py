@@ -50,6 +50,7 @@ class Kind(enum.IntEnum):
     ABORT_TO_SENDER = 10  # receiver failed/cancelled a transfer: stop sending
     PING = 11
     PONG = 12
+    DONE = 13  # receiver -> sender: the fence verified, the KV is ready
 
 
 UNAUTHENTICATED = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.PROOF, Kind.REFUSED})
@@ -70,6 +71,7 @@ _SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.ABORT_TO_SENDER: {"tid": int, "code": str, "message": str},
     Kind.PING: {"seq": int},
     Kind.PONG: {"seq": int},
+    Kind.DONE: {"tid": int},
 }
 
 

@@ -134,8 +134,6 @@ def test_cancel_during_transfer_stops_all_writes(pair) -> None:
     assert receiver.call("cancel", request_id="mid")
     after_cancel = receiver.call("read", block_ids=dst)
     sent = sender.call("result", handle=pushed["handles"][0], timeout=20)
-    # Small pieces go eager (their sends complete locally), large ones wait for the receiver,
-    # which drains them and tells the sender: either way every send ended.
-    assert sent["ok"] or sent["code"] == "cancelled", sent
+    assert sent["code"] == "cancelled", sent  # the receiver's verdict reached the sender
     assert receiver.call("read", block_ids=dst) == after_cancel
     assert dst[0] not in receiver.call("receiver_stats")["writable_block_ids"]

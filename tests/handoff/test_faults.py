@@ -1,0 +1,146 @@
+"""Handoff faults between real OS processes: a peer killed with SIGKILL mid-stream, corrupted
+payloads, mismatched layouts, wrong tokens, lying headers. Every failure ends with a reason
+and with the blocks released, never with corrupted KV marked ready.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from conftest import spawn_agents
+from handoff_cases import pick_blocks, random_layout, reserve, setup_roles, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_sender_killed_midstream_fails_the_ticket_within_its_deadline(pair) -> None:
+    receiver, _ = pair
+    (doomed,) = spawn_agents(None)
+    rng = random.Random("kill-sender")
+    layout = random_layout(rng, "float32", num_layers=6, num_kv_heads=4, head_dim=64)
+    setup_roles(receiver, doomed, layout, seed=23)
+    dst, src = pick_blocks(rng, 8), pick_blocks(rng, 8)
+    deadline_s = 6.0
+    reserved_at = receiver.call("now")
+    ticket = reserve(receiver, "orphan", dst, layout, timeout_s=deadline_s)
+    handle = doomed.call("start", ticket=ticket, block_ids=src, layers_per_piece=1)
+    doomed.call("send_layers", handles=[handle], layers=[0, 1, 2])  # half the layers, no fence
+    wait_until(lambda: dst[0] in receiver.call("receiver_stats")["writable_block_ids"], 5,
+               "reservation live")
+    doomed.kill()
+
+    outcome = receiver.call("wait", request_id="orphan", timeout=deadline_s + 5)
+    assert not outcome["ok"]
+    assert outcome["code"] in ("peer_gone", "timeout"), outcome
+    assert outcome["ended_at"] <= reserved_at + deadline_s + 0.5  # heartbeats beat the deadline
+    assert outcome["blocks_released"]
+    assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])
+
+
+def test_receiver_killed_midstream_completes_the_sender_with_an_error(pair) -> None:
+    _, sender = pair
+    (doomed,) = spawn_agents(None)
+    rng = random.Random("kill-receiver")
+    layout = random_layout(rng, "float32", num_layers=4, num_kv_heads=4, head_dim=64)
+    # The receiver holds back its buffers, so every rendezvous send is in flight when it dies.
+    setup_roles(doomed, sender, layout, seed=29, receiver_faults={"recv_delay_s": 60.0})
+    dst, src = pick_blocks(rng, 8), pick_blocks(rng, 8)
+    ticket = reserve(doomed, "abandoned", dst, layout, timeout_s=30)
+    handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)["handles"][0]
+    wait_until(lambda: doomed.call("receiver_stats")["num_receiving"] == 1, 10, "transfer begun")
+    wait_until(lambda: sender.call("sender_stats")["staging"]["in_use_bytes"] > 0, 5, "sends")
+    killed_at = sender.call("now")
+    doomed.kill()
+
+    result = sender.call("result", handle=handle, timeout=15)
+    assert not result["ok"] and result["code"] == "peer_gone", result
+    assert result["released_at"] - killed_at < 5  # peer_timeout_s (1.5) plus heartbeat slack
+    staging = sender.call("sender_stats")["staging"]
+    assert staging["in_use_bytes"] == 0  # released (or retired: UCX may still hold them)
+
+
+def test_corrupted_payload_fails_with_a_digest_reason(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("corrupt")
+    layout = random_layout(rng, "bfloat16", num_layers=4)
+    setup_roles(receiver, sender, layout, seed=31, sender_faults={"corrupt_piece": 1})
+    dst, src = pick_blocks(rng, 5), pick_blocks(rng, 5)
+    ticket = reserve(receiver, "corrupt", dst, layout)
+    handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
+                         layers_per_piece=1)["handles"][0]
+    outcome = receiver.call("wait", request_id="corrupt", timeout=10)
+    assert outcome["code"] == "digest" and "piece 1" in outcome["message"], outcome
+    assert outcome["blocks_released"]
+    result = sender.call("result", handle=handle, timeout=10)
+    assert result["code"] == "digest", result  # the sender learns the receiver's verdict
+
+
+def test_mismatched_layout_is_refused_naming_the_field(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("layout")
+    layout = random_layout(rng, "float16", num_layers=3, head_dim=16)
+    wrong = random_layout(random.Random("layout"), "float16", num_layers=3, head_dim=8)
+    setup_roles(receiver, sender, layout, seed=37, sender_layout=wrong)
+    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
+    before = receiver.call("read", block_ids=dst)
+    ticket = reserve(receiver, "layout", dst, layout)
+    handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)["handles"][0]
+    outcome = receiver.call("wait", request_id="layout", timeout=10)
+    assert outcome["code"] == "layout" and "head_dim" in outcome["message"], outcome
+    result = sender.call("result", handle=handle, timeout=10)
+    assert result["code"] == "layout" and "head_dim" in result["message"], result
+    assert receiver.call("read", block_ids=dst) == before
+
+
+def test_wrong_token_is_refused_and_nothing_is_written(pair) -> None:
+    receiver, _ = pair
+    (intruder,) = spawn_agents({"auth_token": "not-the-cluster-secret"})
+    try:
+        rng = random.Random("token")
+        layout = random_layout(rng, "float32", num_layers=2)
+        setup_roles(receiver, intruder, layout, seed=41)
+        dst, src = pick_blocks(rng, 3), pick_blocks(rng, 3)
+        before = receiver.call("read", block_ids=dst)
+        refused_before = receiver.call("receiver_stats")["num_refused_peers"]
+        ticket = reserve(receiver, "intruder", dst, layout)
+        handle = intruder.call("push", tickets=[ticket], block_ids=[src],
+                               first_token_id=1)["handles"][0]
+        result = intruder.call("result", handle=handle, timeout=10)
+        assert result["code"] == "auth", result
+        assert receiver.call("receiver_stats")["num_refused_peers"] == refused_before + 1
+        assert receiver.call("read", block_ids=dst) == before
+        assert receiver.call("cancel", request_id="intruder")  # never began: still ours
+    finally:
+        intruder.stop()
+
+
+def test_header_claiming_more_bytes_than_reserved_is_refused_without_allocating(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("inflate")
+    layout = random_layout(rng, "float32", num_layers=3)
+    setup_roles(receiver, sender, layout, seed=43, sender_faults={"inflate_piece_bytes": 1 << 20})
+    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
+    baseline = receiver.call("receiver_stats")
+    ticket = reserve(receiver, "liar", dst, layout)
+    sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1, layers_per_piece=1)
+    outcome = receiver.call("wait", request_id="liar", timeout=10)
+    assert outcome["code"] == "protocol" and "claims" in outcome["message"], outcome
+    stats = receiver.call("receiver_stats")
+    assert stats["staging"]["num_acquired"] == baseline["staging"]["num_acquired"]  # no buffer
+    # All three announced pieces are consumed into a 1-byte sink, the lying one included.
+    wait_until(lambda: receiver.call("receiver_stats")["num_drained"]
+               >= baseline["num_drained"] + 3, 5, "drained pieces")
+
+
+def test_receiver_keeps_serving_after_faults(pair) -> None:
+    """After the kills and refusals above, the same processes still move KV correctly."""
+    receiver, sender = pair
+    rng = random.Random("after")
+    layout = random_layout(rng, "float16", num_layers=2)
+    setup_roles(receiver, sender, layout, seed=47)
+    dst, src = pick_blocks(rng, 3), pick_blocks(rng, 3)
+    ticket = reserve(receiver, "after", dst, layout)
+    sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=5)
+    assert receiver.call("wait", request_id="after", timeout=10)["ok"]
+    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)

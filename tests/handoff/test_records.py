@@ -1,0 +1,117 @@
+"""Tickets, config, staging pool and staging admission (no UCX)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from pdserve.engine.kv_layout import KVLayout
+from pdserve.handoff.admission import StagingAdmission
+from pdserve.handoff.config import HandoffConfig
+from pdserve.handoff.errors import HandoffDigestError, HandoffError, error_from_code
+from pdserve.handoff.staging import StagingPool
+from pdserve.handoff.ticket import HandoffTicket
+
+LAYOUT = KVLayout("fp", "float16", block_size=16, num_layers=4, num_kv_heads=2, head_dim=64)
+
+
+def make_ticket(**changes: object) -> HandoffTicket:
+    values = dict(request_id="r", transfer_id=5, receiver_address=b"\x01addr", receiver_instance=9,
+                  receiver_host="h/boot", num_blocks=3, num_tokens=40,
+                  expected_bytes=4 * 3 * LAYOUT.block_bytes, max_piece_bytes=1 << 20,
+                  deadline=1.7e9, layout=LAYOUT)
+    values.update(changes)
+    return HandoffTicket(**values)  # type: ignore[arg-type]
+
+
+def test_ticket_round_trips_through_msgpack() -> None:
+    ticket = make_ticket()
+    wire = msgpack.unpackb(msgpack.packb(ticket.to_dict(), use_bin_type=True), raw=False)
+    assert HandoffTicket.from_dict(wire) == ticket
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"transfer_id": 0}, "transfer_id"),
+    ({"num_tokens": 49}, "do not fit"),
+    ({"expected_bytes": 1}, "expected_bytes"),
+    ({"protocol_version": 2}, "protocol version"),
+])
+def test_inconsistent_tickets_are_refused(changes: dict, reason: str) -> None:
+    with pytest.raises(ValueError, match=reason):
+        make_ticket(**changes)
+
+
+def test_ticket_dicts_are_checked_field_by_field() -> None:
+    good = make_ticket().to_dict()
+    for bad, reason in (({**good, "surprise": 1}, "unknown"),
+                        ({**good, "transfer_id": "5"}, "transfer_id"),
+                        ({**good, "receiver_address": "text"}, "bytes"),
+                        ({**good, "layout": "fp16"}, "layout")):
+        with pytest.raises(ValueError, match=reason):
+            HandoffTicket.from_dict(bad)
+
+
+def test_config_reads_the_environment_in_one_place() -> None:
+    env = {"PDSERVE_HANDOFF_AUTH_TOKEN": "s3cret", "PDSERVE_HANDOFF_PEER_TIMEOUT_S": "2.5",
+           "PDSERVE_HANDOFF_UCX_TLS": "tcp,self"}
+    config = HandoffConfig.from_env(env, max_piece_bytes=4 << 20)
+    assert (config.auth_token, config.peer_timeout_s, config.max_piece_bytes) == ("s3cret", 2.5, 4 << 20)
+    assert config.ucx_options()["TLS"] == "tcp,self"
+    assert config.ucx_options()["RNDV_THRESH"] == "8192"
+    with pytest.raises(ValueError, match="AUTH_TOKEN"):
+        HandoffConfig.from_env({})
+    with pytest.raises(ValueError, match="not a valid float"):
+        HandoffConfig.from_env({**env, "PDSERVE_HANDOFF_PEER_TIMEOUT_S": "soon"})
+    with pytest.raises(ValueError, match="peer_timeout_s"):
+        HandoffConfig(auth_token="x", heartbeat_interval_s=2, peer_timeout_s=1)
+
+
+def test_errors_cross_the_wire_by_code() -> None:
+    rebuilt = error_from_code("digest", "piece 3 hashes wrong")
+    assert isinstance(rebuilt, HandoffDigestError) and str(rebuilt) == "piece 3 hashes wrong"
+    assert type(error_from_code("from-the-future", "?")) is HandoffError
+
+
+def test_staging_pool_bounds_reuses_and_quarantines() -> None:
+    pool = StagingPool(1 << 20)
+    a = pool.try_acquire(300_000)  # class 512 KiB
+    b = pool.try_acquire(200_000)  # class 256 KiB
+    assert a is not None and b is not None and a.numel() >= 300_000
+    assert pool.try_acquire(400_000) is None  # 512 + 256 + 512 KiB > 1 MiB
+    pool.release(a)
+    again = pool.try_acquire(262_145)
+    assert again is not None and again.data_ptr() == a.data_ptr()  # reused, no new pages
+    pool.quarantine(b)  # UCX may still touch it: never handed out again
+    stats = pool.stats()
+    assert (stats.in_use_bytes, stats.num_quarantined, stats.num_refused) == (512 << 10, 1, 1)
+    assert all(pool.try_acquire(200_000).data_ptr() != b.data_ptr() for _ in range(2))
+    pool.check_integrity()
+    with pytest.raises(ValueError):
+        pool.release(b)
+
+
+def test_admission_is_first_come_first_served_and_skips_ended_transfers() -> None:
+    async def scenario() -> list[str]:
+        pool = StagingPool(1 << 20)
+        admission = StagingAdmission(pool)
+        held = pool.try_acquire(1 << 20)
+        order: list[str] = []
+        ended = {"b": False}
+
+        async def want(name: str, nbytes: int) -> None:
+            buffer = await admission.acquire(nbytes, lambda: ended.get(name, False))
+            order.append(f"{name}:{'none' if buffer is None else 'buf'}")
+            if buffer is not None:
+                admission.release(buffer)
+
+        tasks = [asyncio.create_task(want(n, 600_000)) for n in ("a", "b", "c")]
+        await asyncio.sleep(0)
+        ended["b"] = True
+        admission.release(held)
+        await asyncio.gather(*tasks)
+        pool.check_integrity()
+        return order
+
+    assert asyncio.run(scenario()) == ["a:buf", "b:none", "c:buf"]
