@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
 from _common import (  # run as a script: python benchmarks/engine_throughput.py
     DEFAULT_MODEL_DIR,
     Progress,
@@ -76,7 +75,9 @@ def parse_args() -> argparse.Namespace:
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     rng = random.Random(args.seed)
-    lengths = [rng.randint(args.min_prompt_len, args.max_prompt_len) for _ in range(args.num_requests)]
+    lengths = [
+        rng.randint(args.min_prompt_len, args.max_prompt_len) for _ in range(args.num_requests)
+    ]
     prompts = [[rng.randrange(NUM_SPECIAL_TOKENS, vocab_size) for _ in range(n)] for n in lengths]
     return Workload(prompts, args.output_len)
 
@@ -92,8 +93,9 @@ def run_pdserve(path: Path, workload: Workload) -> tuple[PdserveResult, list[lis
     from pdserve.engine.sampling_params import SamplingParams
 
     longest = max(map(len, workload.prompts)) + workload.output_len
-    engine = LLMEngine(EngineConfig(model_path=str(path), dtype="float32", device="cpu",
-                                    max_model_len=longest))
+    engine = LLMEngine(
+        EngineConfig(model_path=str(path), dtype="float32", device="cpu", max_model_len=longest)
+    )
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
     engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(workload.prompts))}
@@ -123,15 +125,22 @@ def run_pdserve(path: Path, workload: Workload) -> tuple[PdserveResult, list[lis
             counts["p_tokens"] += computed - rows
             counts["p_rows"] += rows
             p_seconds += dt
-        progress.update(f"step {engine.stats.num_steps}: {len(outputs)} seqs, {computed} tokens "
-                        f"this step; {num_done}/{len(tokens)} requests done")
+        progress.update(
+            f"step {engine.stats.num_steps}: {len(outputs)} seqs, {computed} tokens "
+            f"this step; {num_done}/{len(tokens)} requests done"
+        )
     seconds = time.perf_counter() - started
     progress.update(f"all {len(tokens)} requests done", force=True)
     result = PdserveResult(
-        seconds=seconds, output_tokens=sum(map(len, tokens.values())),
-        prefill_steps=counts["p_steps"], prefill_prompt_tokens=counts["p_tokens"],
-        prefill_decode_rows=counts["p_rows"], prefill_seconds=p_seconds,
-        decode_steps=counts["d_steps"], decode_tokens=counts["d_tokens"], decode_seconds=d_seconds,
+        seconds=seconds,
+        output_tokens=sum(map(len, tokens.values())),
+        prefill_steps=counts["p_steps"],
+        prefill_prompt_tokens=counts["p_tokens"],
+        prefill_decode_rows=counts["p_rows"],
+        prefill_seconds=p_seconds,
+        decode_steps=counts["d_steps"],
+        decode_tokens=counts["d_tokens"],
+        decode_seconds=d_seconds,
     )
     return result, list(tokens.values())
 
@@ -144,18 +153,25 @@ def run_transformers(
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     pad_id = model.generation_config.pad_token_id or 0
-    gen_args = {"max_new_tokens": workload.output_len, "min_new_tokens": workload.output_len,
-                "do_sample": False, "pad_token_id": pad_id}
+    gen_args = {
+        "max_new_tokens": workload.output_len,
+        "min_new_tokens": workload.output_len,
+        "do_sample": False,
+        "pad_token_id": pad_id,
+    }
     warm = torch.tensor([WARMUP_PROMPT])
     with torch.inference_mode():
-        model.generate(warm, attention_mask=torch.ones_like(warm), **{**gen_args, "max_new_tokens": 4,
-                                                                      "min_new_tokens": 4})
+        model.generate(
+            warm,
+            attention_mask=torch.ones_like(warm),
+            **{**gen_args, "max_new_tokens": 4, "min_new_tokens": 4},
+        )
     outputs: list[list[int]] = []
     padded_tokens = 0
     progress = Progress("transformers")
     started = time.perf_counter()
     for first in range(0, len(workload.prompts), batch_size):
-        batch = workload.prompts[first:first + batch_size]
+        batch = workload.prompts[first : first + batch_size]
         width = max(map(len, batch))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
@@ -163,8 +179,11 @@ def run_transformers(
             out = model.generate(ids, attention_mask=mask, **gen_args)
         outputs.extend(out[:, width:].tolist())
         padded_tokens += ids.numel()
-        progress.update(f"batch {first // batch_size + 1}: {len(batch)} prompts padded to {width}; "
-                        f"{len(outputs)}/{len(workload.prompts)} requests done", force=True)
+        progress.update(
+            f"batch {first // batch_size + 1}: {len(batch)} prompts padded to {width}; "
+            f"{len(outputs)}/{len(workload.prompts)} requests done",
+            force=True,
+        )
     seconds = time.perf_counter() - started
     return HFResult(seconds, sum(map(len, outputs)), padded_tokens), outputs
 
@@ -180,52 +199,83 @@ def check_parity(ours: list[list[int]], theirs: list[list[int]]) -> int:
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         if shown < PARITY_SHOWN:
             shown += 1
-            print(f"  MISMATCH request {i}: first differing output token {first} "
-                  f"(pdserve {a[first:first + 4]} vs transformers {b[first:first + 4]})")
-    print(f"greedy parity: {matches}/{len(ours)} requests token-identical "
-          f"({'OK' if matches == len(ours) else 'MISMATCH - this is a bug to report'})")
+            print(
+                f"  MISMATCH request {i}: first differing output token {first} "
+                f"(pdserve {a[first : first + 4]} vs transformers {b[first : first + 4]})"
+            )
+    print(
+        f"greedy parity: {matches}/{len(ours)} requests token-identical "
+        f"({'OK' if matches == len(ours) else 'MISMATCH - this is a bug to report'})"
+    )
     return matches
 
 
-def report(args: argparse.Namespace, pd: PdserveResult, hf: HFResult, matches: int,
-           workload: Workload, machine: str) -> None:
+def report(
+    args: argparse.Namespace,
+    pd: PdserveResult,
+    hf: HFResult,
+    matches: int,
+    workload: Workload,
+    machine: str,
+) -> None:
     pd_tps, hf_tps = pd.output_tokens / pd.seconds, hf.output_tokens / hf.seconds
     prefill_tps = pd.prefill_prompt_tokens / max(pd.prefill_seconds, 1e-9)
     decode_tps = pd.decode_tokens / max(pd.decode_seconds, 1e-9)
     prompt_tokens = sum(map(len, workload.prompts))
     print("\n=== engine throughput ===")
     print(machine)
-    print(f"workload: {len(workload.prompts)} requests, {prompt_tokens} prompt tokens "
-          f"(lengths {args.min_prompt_len}-{args.max_prompt_len}, seed {args.seed}), "
-          f"{workload.output_len} output tokens each, greedy, EOS ignored; {args.size} llama")
-    print(f"pdserve      (continuous batching)      {pd_tps:8.1f} output tokens/s "
-          f"({pd.output_tokens} tokens in {pd.seconds:.1f} s)")
-    print(f"transformers (static batches of {args.batch_size:<3d})   {hf_tps:8.1f} output tokens/s "
-          f"({hf.output_tokens} tokens in {hf.seconds:.1f} s; {hf.padded_prompt_tokens} padded prompt tokens)")
+    print(
+        f"workload: {len(workload.prompts)} requests, {prompt_tokens} prompt tokens "
+        f"(lengths {args.min_prompt_len}-{args.max_prompt_len}, seed {args.seed}), "
+        f"{workload.output_len} output tokens each, greedy, EOS ignored; {args.size} llama"
+    )
+    print(
+        f"pdserve      (continuous batching)      {pd_tps:8.1f} output tokens/s "
+        f"({pd.output_tokens} tokens in {pd.seconds:.1f} s)"
+    )
+    print(
+        f"transformers (static batches of {args.batch_size:<3d})   {hf_tps:8.1f} output tokens/s "
+        f"({hf.output_tokens} tokens in {hf.seconds:.1f} s; {hf.padded_prompt_tokens} padded prompt tokens)"
+    )
     print(f"ratio pdserve / transformers: {pd_tps / hf_tps:.2f}x (target >= 1.5x)")
-    print(f"pdserve prefill: {prefill_tps:8.1f} prompt tokens/s ({pd.prefill_prompt_tokens} tokens in "
-          f"{pd.prefill_steps} steps, {pd.prefill_seconds:.1f} s)")
-    print(f"pdserve decode:  {decode_tps:8.1f} tokens/s ({pd.decode_tokens} tokens in "
-          f"{pd.decode_steps} decode-only steps, {pd.decode_seconds:.1f} s)")
-    print("  method: each engine step is timed; a step is decode-only when every row it computed "
-          "sampled a token,\n  else it carried prompt tokens. Prefill rate = prompt tokens / time of "
-          f"those steps (it includes\n  the {pd.prefill_decode_rows} decode rows that rode along in "
-          "them); decode rate = tokens / time of decode-only steps.")
+    print(
+        f"pdserve prefill: {prefill_tps:8.1f} prompt tokens/s ({pd.prefill_prompt_tokens} tokens in "
+        f"{pd.prefill_steps} steps, {pd.prefill_seconds:.1f} s)"
+    )
+    print(
+        f"pdserve decode:  {decode_tps:8.1f} tokens/s ({pd.decode_tokens} tokens in "
+        f"{pd.decode_steps} decode-only steps, {pd.decode_seconds:.1f} s)"
+    )
+    print(
+        "  method: each engine step is timed; a step is decode-only when every row it computed "
+        "sampled a token,\n  else it carried prompt tokens. Prefill rate = prompt tokens / time of "
+        f"those steps (it includes\n  the {pd.prefill_decode_rows} decode rows that rode along in "
+        "them); decode rate = tokens / time of decode-only steps."
+    )
     print(f"greedy parity: {matches}/{len(workload.prompts)} requests identical")
     name = "engine_throughput_quick" if args.quick else "engine_throughput"
     results = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": machine, "pdserve": asdict(pd), "transformers": asdict(hf),
-        "pdserve_output_tokens_per_s": pd_tps, "transformers_output_tokens_per_s": hf_tps,
-        "ratio": pd_tps / hf_tps, "pdserve_prefill_tokens_per_s": prefill_tps,
-        "pdserve_decode_tokens_per_s": decode_tps, "parity_matches": matches,
+        "machine": machine,
+        "pdserve": asdict(pd),
+        "transformers": asdict(hf),
+        "pdserve_output_tokens_per_s": pd_tps,
+        "transformers_output_tokens_per_s": hf_tps,
+        "ratio": pd_tps / hf_tps,
+        "pdserve_prefill_tokens_per_s": prefill_tps,
+        "pdserve_decode_tokens_per_s": decode_tps,
+        "parity_matches": matches,
     }
     json_path = save_json(name, results)
-    png_path = bar_chart(name, [
-        ("output tokens/s", "tokens/s", {"pdserve": pd_tps, "transformers": hf_tps}),
-        ("pdserve phases", "tokens/s", {"prefill": prefill_tps, "decode": decode_tps}),
-    ], f"{args.size} llama, {len(workload.prompts)} requests, {args.threads} threads: "
-       f"{pd_tps / hf_tps:.2f}x")
+    png_path = bar_chart(
+        name,
+        [
+            ("output tokens/s", "tokens/s", {"pdserve": pd_tps, "transformers": hf_tps}),
+            ("pdserve phases", "tokens/s", {"prefill": prefill_tps, "decode": decode_tps}),
+        ],
+        f"{args.size} llama, {len(workload.prompts)} requests, {args.threads} threads: "
+        f"{pd_tps / hf_tps:.2f}x",
+    )
     print(f"saved {json_path} and {png_path}")
 
 

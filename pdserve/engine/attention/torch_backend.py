@@ -1,11 +1,12 @@
 """Paged attention in plain PyTorch: runs on CPU and CUDA, any dtype.
 
-Decode rows (query_len 1) are batched into one padded, masked attention; prefill chunks run
-per sequence through scaled_dot_product_attention with the causal offset of their cached prefix.
+Decode rows (query_len 1) are grouped by context length and attended with batched matmuls;
+prefill chunks run per sequence through scaled_dot_product_attention with a causal offset.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -15,14 +16,19 @@ import torch.nn.functional as F
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.attention.metadata import AttentionMetadata
 
+# What one more decode group costs, in padded (sequence, block) pairs: each group adds a few
+# kernel launches per KV head and layer (~0.1 ms on CPU), about the price of gathering and
+# attending ~32 padded blocks of a small model. Groups split only where padding costs more.
+_GROUP_COST_BLOCKS = 32
+
 
 @dataclass(frozen=True)
-class DecodeRows:
-    """All single-token sequences of a step, padded to their longest context (in whole blocks)."""
+class DecodeGroup:
+    """Single-token sequences padded together to their longest context (in whole blocks)."""
 
-    token_rows: torch.Tensor | None  # int64 [Sd] rows of the flat batch; None: all T rows, in order
-    block_ids: torch.Tensor  # int64 [Sd * nb] cache blocks, row after row (pad entries are masked)
-    mask: torch.Tensor  # additive [Sd, 1, 1, nb * block_size]: 0 inside the context, -inf past it
+    token_rows: torch.Tensor | None  # int64 [g] rows of the flat batch; None: all T rows, in order
+    block_ids: torch.Tensor  # int64 [g * nb] cache blocks, row after row (pad entries are masked)
+    mask: torch.Tensor  # additive [g, 1, nb * block_size]: 0 inside the context, -inf past it
 
 
 @dataclass(frozen=True)
@@ -36,10 +42,33 @@ class PrefillChunk:
     mask: torch.Tensor | None  # additive [query_len, seq_len] causal mask; None: no cached prefix
 
 
+class Workspace:
+    """Scratch memory for gathered K/V, reused by every group of every layer of one step.
+
+    Large fresh CPU allocations page-fault on first touch, which cost more than the gather
+    itself; one buffer per step (not per layer) avoids that. Per step, so threads that share
+    a model never share a buffer.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks  # of the largest group: one allocation serves them all
+        self._buffer: torch.Tensor | None = None
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A `like`-typed view of `shape` ([2, blocks, ...per block]) over the buffer."""
+        numel = math.prod(shape)
+        buffer = self._buffer
+        if buffer is None or buffer.dtype != like.dtype or buffer.numel() < numel:
+            size = max(numel, 2 * self.num_blocks * math.prod(shape[2:]))
+            buffer = self._buffer = torch.empty(size, dtype=like.dtype, device=like.device)
+        return buffer[:numel].view(shape)
+
+
 @dataclass(frozen=True)
 class TorchAttentionPlan:
-    decode: DecodeRows | None
+    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
+    workspace: Workspace
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -57,8 +86,18 @@ class TorchAttentionBackend(AttentionBackend):
             for s, q_len in enumerate(metadata.query_lens)
             if q_len > 1
         )
-        decode = _decode_rows(metadata, decode_seqs, block_size, dtype) if decode_seqs else None
-        return TorchAttentionPlan(decode=decode, prefills=prefills)
+        groups = _group_by_length(
+            decode_seqs, [-(-metadata.seq_lens[s] // block_size) for s in decode_seqs]
+        )
+        all_rows = len(decode_seqs) == metadata.num_tokens
+        decode_groups = tuple(
+            _decode_group(
+                metadata, group, block_size, dtype, in_order=all_rows and len(groups) == 1
+            )
+            for group in groups
+        )
+        largest = max((g.block_ids.numel() for g in decode_groups), default=0)
+        return TorchAttentionPlan(decode_groups, prefills, Workspace(largest))
 
     def attend(
         self,
@@ -68,18 +107,19 @@ class TorchAttentionBackend(AttentionBackend):
         plan: TorchAttentionPlan,
         scale: float,
     ) -> torch.Tensor:
+        groups = plan.decode_groups
+        if len(groups) == 1 and groups[0].token_rows is None:
+            return _attend_decode(query, layer_cache, groups[0], plan.workspace, scale)
+        out = torch.empty_like(query)
+        for group in groups:
+            rows = group.token_rows
+            assert rows is not None
+            attended = _attend_decode(
+                query.index_select(0, rows), layer_cache, group, plan.workspace, scale
+            )
+            out.index_copy_(0, rows, attended)
         # Each [num_blocks, block_size, kv_heads, head_dim].
         keys, values = layer_cache[0], layer_cache[1]
-        decode = plan.decode
-        if decode is not None and decode.token_rows is None:
-            return _attend_decode(query, keys, values, decode, scale)
-        out = torch.empty_like(query)
-        if decode is not None:
-            rows = decode.token_rows
-            assert rows is not None
-            out.index_copy_(
-                0, rows, _attend_decode(query.index_select(0, rows), keys, values, decode, scale)
-            )
         for chunk in plan.prefills:
             out[chunk.start : chunk.stop] = _attend_prefill(
                 query[chunk.start : chunk.stop], keys, values, chunk, scale
@@ -94,9 +134,41 @@ def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     )
 
 
-def _decode_rows(
-    metadata: AttentionMetadata, seqs: list[int], block_size: int, dtype: torch.dtype
-) -> DecodeRows:
+def _group_by_length(seqs: list[int], num_blocks: list[int]) -> list[list[int]]:
+    """Split `seqs` (with contexts of `num_blocks` blocks) into groups padded to their longest.
+
+    Minimises padded (sequence, block) pairs plus `_GROUP_COST_BLOCKS` per group, exactly, by
+    dynamic programming over the sequences sorted by length (a group is a run of that order).
+    """
+    if not seqs:
+        return []
+    order = sorted(range(len(seqs)), key=num_blocks.__getitem__)
+    widths = [num_blocks[i] for i in order]
+    best = [0] + [math.inf] * len(order)
+    cut = [0] * (len(order) + 1)
+    for end in range(1, len(order) + 1):
+        width = widths[end - 1]
+        for begin in range(end):
+            cost = best[begin] + (end - begin) * width + _GROUP_COST_BLOCKS
+            if cost < best[end]:
+                best[end], cut[end] = cost, begin
+    groups: list[list[int]] = []
+    end = len(order)
+    while end:
+        groups.append([seqs[i] for i in order[cut[end] : end]])
+        end = cut[end]
+    if len(groups) == 1:
+        return [seqs]  # batch order: a lone group that covers every row needs no row shuffles
+    return groups[::-1]
+
+
+def _decode_group(
+    metadata: AttentionMetadata,
+    seqs: list[int],
+    block_size: int,
+    dtype: torch.dtype,
+    in_order: bool,
+) -> DecodeGroup:
     device = metadata.block_tables.device
     index = torch.tensor(seqs, dtype=torch.int64, device=device)
     longest = max(metadata.seq_lens[s] for s in seqs)
@@ -106,12 +178,9 @@ def _decode_rows(
     block_ids = metadata.block_tables.index_select(0, index)[:, :num_blocks].long().flatten()
     seq_lens = metadata.seq_lens_tensor.index_select(0, index).long()
     valid = torch.arange(num_blocks * block_size, device=device)[None, :] < seq_lens[:, None]
-    all_rows = len(seqs) == metadata.num_tokens
-    token_rows = None if all_rows else metadata.query_start_loc.index_select(0, index).long()
-    return DecodeRows(
-        token_rows=token_rows,
-        block_ids=block_ids,
-        mask=_additive_mask(valid[:, None, None, :], dtype),
+    token_rows = None if in_order else metadata.query_start_loc.index_select(0, index).long()
+    return DecodeGroup(
+        token_rows=token_rows, block_ids=block_ids, mask=_additive_mask(valid[:, None, :], dtype)
     )
 
 
@@ -138,18 +207,30 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _attend_decode(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, decode: DecodeRows, scale: float
+    query: torch.Tensor,
+    layer_cache: torch.Tensor,
+    group: DecodeGroup,
+    workspace: Workspace,
+    scale: float,
 ) -> torch.Tensor:
-    """query [Sd, H, D] -> [Sd, H, D]: one query per sequence against its padded context."""
-    num_seqs = query.shape[0]
-    k = (
-        _gather(keys, decode.block_ids).unflatten(0, (num_seqs, -1)).transpose(1, 2)
-    )  # [Sd, KVH, L, D]
-    v = _gather(values, decode.block_ids).unflatten(0, (num_seqs, -1)).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), k, v, attn_mask=decode.mask, scale=scale, enable_gqa=True
-    )  # [Sd, H, 1, D]
-    return out.squeeze(2)
+    """query [g, H, D] -> [g, H, D]: one query per sequence against its padded context.
+
+    Two batched matmuls per KV head, the K/V read in place from one gather (no head repeat):
+    for a single query row they beat SDPA's CPU kernels, which tile for long queries.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, kv_heads = layer_cache.shape[2], layer_cache.shape[3]
+    kv = workspace.take((2, group.block_ids.numel(), block_size, kv_heads, head_dim), layer_cache)
+    torch.index_select(layer_cache, 1, group.block_ids, out=kv)
+    kv = kv.view(2, num_seqs, -1, kv_heads, head_dim)  # [2, g, L, KVH, D]
+    q = query.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
+    out = torch.empty_like(q)
+    for h in range(kv_heads):
+        scores = torch.baddbmm(group.mask, q[:, h], kv[0, :, :, h].transpose(1, 2), alpha=scale)
+        # Low-precision dtypes take the softmax in float32, as transformers does.
+        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        out[:, h] = torch.bmm(probs, kv[1, :, :, h])
+    return out.view(num_seqs, num_heads, head_dim)
 
 
 def _attend_prefill(
