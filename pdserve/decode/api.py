@@ -11,6 +11,10 @@ from typing import Any, Literal
 from pdserve.engine.sampling_params import SamplingParams
 
 
+class DecodeCapacityError(RuntimeError):
+    """The decode worker could not find room for the prompt's KV before its deadline."""
+
+
 @dataclass(frozen=True)
 class DecodeRequest:
     request_id: str

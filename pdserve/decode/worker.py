@@ -5,26 +5,21 @@ It also prefills locally: short prompts, colocated mode, and the recompute fallb
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
-from pdserve.decode.api import DecodeEvent, DecodeRequest
+from pdserve.decode.api import DecodeCapacityError, DecodeEvent, DecodeRequest
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
-from pdserve.handoff.config import HandoffConfig
-from pdserve.handoff.errors import HandoffError
-from pdserve.handoff.receiver import HandoffReceiver
+from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 
 logger = logging.getLogger(__name__)
-
-
-class DecodeCapacityError(RuntimeError):
-    """No room for the prompt's KV right now; the router tries another replica or says 429."""
 
 
 def tokens_event(out: RequestOutput) -> DecodeEvent:
@@ -46,11 +41,12 @@ class DecodeWorker:
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None) -> None:
         self.engine = LLMEngine(engine_config)
         self.async_engine = AsyncEngine(self.engine)
+        self.reserve_timeout_s = handoff_config.default_timeout_s if handoff_config else 30.0
+        self.transport: HandoffTransport | None = None
         self.receiver: HandoffReceiver | None = None
-        self.handoff_timeout_s = 30.0
         if handoff_config is not None:
-            self.handoff_timeout_s = handoff_config.default_timeout_s
-            self.receiver = HandoffReceiver(self.engine.kv_cache, self.engine.layout, handoff_config)
+            self.transport = HandoffTransport(handoff_config).start()
+            self.receiver = HandoffReceiver(self.transport, self.engine.kv_cache, self.engine.layout)
         logger.info("decode worker ready: %d KV blocks of %d tokens",
                     self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
 
@@ -68,20 +64,16 @@ class DecodeWorker:
     async def _generate_from_received_kv(self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
         assert self.receiver is not None
         rid = request.request_id
-        block_ids = await self.async_engine.call(lambda: self.engine.reserve_for_received_kv(
-            rid, request.prompt_token_ids, request.sampling_params))
-        if block_ids is None:
-            raise DecodeCapacityError(
-                f"decode worker has no room for {len(request.prompt_token_ids)} prompt tokens now")
+        block_ids = await self._reserve(request)
         stream = self.async_engine.open_stream(rid)
         finished = False
         start = time.monotonic()
         try:
             ticket = self.receiver.reserve(
-                rid, block_ids, len(request.prompt_token_ids), timeout_s=self.handoff_timeout_s)
+                rid, block_ids, self.engine.layout, len(request.prompt_token_ids))
             yield DecodeEvent(kind="ticket", ticket=ticket.to_dict())
             try:
-                fence = await self.receiver.wait_ready(rid)
+                fence = await self.receiver.wait_ready_async(rid)
             except HandoffError as exc:
                 logger.warning("handoff for %s failed: %s", rid, exc)
                 await self._drop_reservation(rid)
@@ -105,6 +97,22 @@ class DecodeWorker:
                 self.receiver.cancel(rid)
             await self.async_engine.close_stream(rid, abort=not finished)
 
+    async def _reserve(self, request: DecodeRequest) -> list[int]:
+        """Blocks for the prompt's KV, waiting (bounded) while running requests hold them."""
+        deadline = time.monotonic() + self.reserve_timeout_s
+        delay = 0.005
+        while True:
+            block_ids = await self.async_engine.call(lambda: self.engine.reserve_for_received_kv(
+                request.request_id, request.prompt_token_ids, request.sampling_params))
+            if block_ids is not None:
+                return block_ids
+            if time.monotonic() + delay > deadline:
+                raise DecodeCapacityError(
+                    f"decode worker found no room for {len(request.prompt_token_ids)} prompt "
+                    f"tokens within {self.reserve_timeout_s:.0f}s; retry later")
+            await asyncio.sleep(delay)  # blocks free as running requests finish
+            delay = min(delay * 2, 0.1)
+
     async def _drop_reservation(self, request_id: str) -> None:
         assert self.receiver is not None
         self.receiver.cancel(request_id)
@@ -125,6 +133,9 @@ class DecodeWorker:
             raise RuntimeError("decode engine thread died")
 
     def __del__(self) -> None:
-        self.async_engine.shutdown()
+        # Ray Serve calls this when the replica stops: end transfers before the engine.
         if self.receiver is not None:
             self.receiver.close()
+        if self.transport is not None:
+            self.transport.stop()
+        self.async_engine.shutdown()

@@ -324,7 +324,10 @@ class LLMEngine:
         self, request: Request, tracked: _Tracked, new_ids: list[int], text: str,
         logprobs: list[object] | None = None,
     ) -> RequestOutput:
-        text += tracked.stream.flush()
+        if request.status is not RequestStatus.PREFILLED:
+            # A prefilled request's text goes on at the decode worker, which completes any
+            # character split across tokens: flushing here would show it twice.
+            text += tracked.stream.flush()
         output = self._output(request, new_ids, text, finished=True, logprobs=logprobs or [])
         if request.status is not RequestStatus.PREFILLED:
             self._tracked.pop(request.request_id, None)

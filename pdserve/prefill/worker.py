@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import asdict
 from typing import Any
 
@@ -16,9 +15,8 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode, RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.handoff.config import HandoffConfig
-from pdserve.handoff.sender import HandoffSender, OutboundTransfer
-from pdserve.handoff.ticket import HandoffTicket, SendResult
+from pdserve.handoff import HandoffConfig, HandoffSender, HandoffTicket, HandoffTransport
+from pdserve.handoff import OutboundTransfer, SendResult
 from pdserve.prefill.api import PrefillRequest, PrefillResult
 
 logger = logging.getLogger(__name__)
@@ -28,14 +26,17 @@ class PrefillWorker:
     """One prefill replica: an engine in prefill-only mode plus a handoff sender.
 
     Block lifetime on this side (deferred free): a request's blocks are pinned from its
-    first chunk until the sender reports every send of its transfer completed or aborted;
-    only then does the engine release them (full blocks stay in the prefix cache).
+    first chunk; its transfer starts when its last chunk runs; the blocks are released only
+    when the sender's ``released`` future says no send reads them any more (sent, failed or
+    cancelled). Full blocks then stay in the prefix cache.
     """
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig) -> None:
         self.engine = LLMEngine(engine_config)
-        self.sender = HandoffSender(self.engine.kv_cache, self.engine.layout, handoff_config)
-        # Touched only on the engine thread (commands and the layer hook run there).
+        self.transport = HandoffTransport(handoff_config).start()
+        self.sender = HandoffSender(self.transport, device=self.engine.device)
+        # Both touched only on the engine thread (commands and the layer hook run there).
+        self._tickets: dict[str, HandoffTicket] = {}
         self._transfers: dict[str, OutboundTransfer] = {}
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_transfers_failed = 0
@@ -46,9 +47,8 @@ class PrefillWorker:
         rid = request.request_id
         ticket = HandoffTicket.from_dict(request.ticket)
         self.engine.layout.check_matches(ticket.layout)
-        transfer = self.sender.open(ticket)
         arrived = time.monotonic()
-        await self.async_engine.call(lambda: self._transfers.__setitem__(rid, transfer))
+        await self.async_engine.call(lambda: self._tickets.__setitem__(rid, ticket))
         first: RequestOutput | None = None
         stream = self.async_engine.open_stream(rid)
         try:
@@ -56,58 +56,73 @@ class PrefillWorker:
                 rid, request.prompt_token_ids, request.sampling_params, RequestMode.PREFILL_ONLY))
             async for out in self.async_engine.stream(rid, stream):
                 first = out
+            assert first is not None and first.new_token_ids
+            transfer = await self.async_engine.call(lambda: self._transfers[rid])
         except BaseException:
-            # Cancelled or failed before the first token: abort the sends, free on completion.
-            transfer.abort("prefill did not finish")
-            self._release_when_sent(rid, transfer)
+            self.async_engine.submit(lambda: self._give_up(rid))
             raise
         finally:
             await self.async_engine.close_stream(rid, abort=False)
-        assert first is not None and first.new_token_ids
-        transfer.send_fence(first.new_token_ids[0])
-        self._release_when_sent(rid, transfer)
-        done = time.monotonic()
+        self.sender.send_fence(transfer, first.new_token_ids[0])
+        transfer.released.add_done_callback(lambda done: self._on_released(rid, done.result()))
         return PrefillResult(
             request_id=rid, first_token_id=first.new_token_ids[0], first_text=first.new_text,
             num_cached_tokens=first.num_cached_tokens,
             num_computed_tokens=first.num_prompt_tokens - first.num_cached_tokens,
-            queue_s=first.queue_s, compute_s=max(0.0, done - arrived - first.queue_s),
+            queue_s=first.queue_s,
+            compute_s=max(0.0, time.monotonic() - arrived - first.queue_s),
         )
 
     def _send_layer(self, layer: int, output: SchedulerOutput) -> None:
-        """Engine thread, right after `layer` wrote its KV: ship it for finished prompts."""
-        block_size = self.engine.layout.block_size
+        """Engine thread, right after `layer` wrote its KV: ship it for completed prompts."""
+        transfers = []
         for chunk in output.chunks:
-            transfer = self._transfers.get(chunk.request.request_id)
-            if transfer is None or not chunk.samples:
-                continue  # not a handoff request, or its prompt is not complete yet
-            num_blocks = -(-chunk.request.num_prompt_tokens // block_size)
-            block_ids = self.engine.kv_manager.block_ids(chunk.request.request_id)[:num_blocks]
-            transfer.send_layer(layer, block_ids)
+            if not chunk.samples:
+                continue  # the prompt is not complete yet: its KV is sent with the last chunk
+            rid = chunk.request.request_id
+            transfer = self._transfers.get(rid)
+            if transfer is None:
+                ticket = self._tickets.pop(rid, None)
+                if ticket is None:
+                    continue
+                block_ids = self.engine.kv_manager.block_ids(rid)[: ticket.num_blocks]
+                transfer = self.sender.start_transfer(ticket, block_ids, self.engine.layout)
+                self._transfers[rid] = transfer
+            transfers.append(transfer)
+        if transfers:
+            self.sender.send_layer(self.engine.kv_cache, layer, transfers)
 
-    def _release_when_sent(self, request_id: str, transfer: OutboundTransfer) -> None:
-        def release(done: Future[SendResult]) -> None:
-            result = done.result()
-            if not result.ok:
-                self.num_transfers_failed += 1
-                logger.warning("handoff of %s failed: %s", request_id, result.error)
-            self.async_engine.submit(lambda: self._forget(request_id))
+    def _give_up(self, request_id: str) -> None:
+        """Engine thread: the caller went away or prefill failed before the fence."""
+        self._tickets.pop(request_id, None)
+        transfer = self._transfers.get(request_id)
+        if transfer is None:
+            self.engine.abort(request_id)  # no send ever read its blocks
+            return
+        self.sender.cancel(transfer, "the prefill request was cancelled")
+        transfer.released.add_done_callback(
+            lambda done: self._on_released(request_id, done.result()))
 
-        transfer.result.add_done_callback(release)
+    def _on_released(self, request_id: str, result: SendResult) -> None:
+        """Handoff thread: no send reads the blocks any more; free them on the engine thread."""
+        if not result.ok:
+            self.num_transfers_failed += 1
+            logger.warning("handoff of %s failed: %s", request_id, result.error)
+        self.async_engine.submit(lambda: self._forget(request_id))
 
     def _forget(self, request_id: str) -> None:
-        """Engine thread: the transfer is over, so the request's blocks may go."""
         self._transfers.pop(request_id, None)
         request = self.engine.scheduler.get_request(request_id)
         if request is not None and request.status is RequestStatus.PREFILLED:
             self.engine.release(request_id)  # full blocks stay in the prefix cache
         else:
-            self.engine.abort(request_id)  # cancelled before its prompt was done
+            self.engine.abort(request_id)
 
     async def kv_stats(self) -> dict[str, Any]:
         return asdict(await self.async_engine.call(self.engine.kv_stats))
 
     def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve calls this periodically; the prefill request router ranks replicas on it."""
         kv = self.engine.kv_manager
         return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
                 "num_waiting": self.engine.scheduler.num_waiting}
@@ -117,5 +132,6 @@ class PrefillWorker:
             raise RuntimeError("prefill engine thread died")
 
     def __del__(self) -> None:
-        self.async_engine.shutdown()
         self.sender.close()
+        self.transport.stop()
+        self.async_engine.shutdown()

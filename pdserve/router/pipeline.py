@@ -11,9 +11,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdserve.decode.api import DecodeEvent, DecodeRequest
+from pdserve.decode.api import DecodeCapacityError, DecodeEvent, DecodeRequest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.api import PrefillRequest, PrefillResult
+from pdserve.router.errors import OverloadedError
 from pdserve.router.timings import RequestTimings
 
 logger = logging.getLogger(__name__)
@@ -98,7 +99,10 @@ class GenerationPipeline:
         prefill_call = None
         try:
             reserve_start = time.monotonic()
-            ticket_event: DecodeEvent = await events.__anext__()
+            try:
+                ticket_event: DecodeEvent = await events.__anext__()
+            except DecodeCapacityError as exc:
+                raise OverloadedError(1.0, reason=str(exc).splitlines()[-1]) from exc
             trace.update(decode_reserve_ms=(time.monotonic() - reserve_start) * 1000.0)
             prefill_call = self.prefill.prefill.remote(  # type: ignore[union-attr]
                 PrefillRequest(request_id, prompt_ids, params, ticket_event.ticket or {}))

@@ -86,7 +86,8 @@ def served_apps(tiny_checkpoints: dict[str, str]) -> Iterator[ServedApps]:
     from pdserve.cluster.config import parse_config
 
     port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    # address="local": always a fresh instance of our own, never a cluster found on the machine.
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         path = tiny_checkpoints["llama"]

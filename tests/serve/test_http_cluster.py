@@ -184,7 +184,8 @@ def metric_value(text: str, name: str) -> float:
 
 def test_repeated_prefix_hits_cache_and_metrics(served_apps: ServedApps) -> None:
     url = served_apps.url("disagg")
-    conv = [{"role": "system", "content": SHARED_SYSTEM + " Unique preamble 42."},
+    # Unique at the start: no earlier test can have cached any of this prompt's blocks.
+    conv = [{"role": "system", "content": "Preamble 42, unlike any other. " + SHARED_SYSTEM},
             {"role": "user", "content": "first question"}]
     before = httpx.get(f"{url}/metrics", timeout=30).text
     c = client(served_apps, "disagg")
