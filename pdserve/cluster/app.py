@@ -49,19 +49,24 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
 
 def build_from_config(cfg: PdserveConfig) -> Application:
     model_path = resolve_model_path(cfg)
+    print(cfg.replica_plan().summary())
+    handoff = handoff_config(cfg) if cfg.mode == "disaggregated" else None
+    return build_application(cfg, model_path, handoff, handoff)
+
+
+def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: HandoffConfig | None,
+                      prefill_handoff: HandoffConfig | None) -> Application:
+    """The wiring itself, with each role's handoff settings given (tests give them apart)."""
     engine_config = cfg.to_engine_config(model_path)
     model_config = ModelConfig.from_checkpoint(model_path)
     max_model_len = min(cfg.model.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
-    print(cfg.replica_plan().summary())
-    disaggregated = cfg.mode == "disaggregated"
-    handoff = handoff_config(cfg) if disaggregated else None
     decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
-        engine_config, handoff)
+        engine_config, decode_handoff)
     prefill = None
-    if disaggregated:
+    if cfg.mode == "disaggregated":
         prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(
-            engine_config, handoff)
+            engine_config, prefill_handoff)
     settings = IngressSettings(
         model_path=model_path, served_model_name=cfg.model_name(), max_model_len=max_model_len,
         max_in_flight=cfg.router.max_queued_requests,
