@@ -11,6 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from pdserve.cluster.config import PdserveConfig, load_config, parse_config
 from pdserve.cluster.model_source import resolve_model_path
@@ -34,12 +35,33 @@ def handoff_config(cfg: PdserveConfig) -> HandoffConfig:
     )
 
 
+ROUTERS = {
+    "prefix_affinity": "pdserve.router.replica_routing:PrefixAffinityRouter",
+    "kv_headroom": "pdserve.router.replica_routing:KVHeadroomRouter",
+    "round_robin": "pdserve.router.replica_routing:RoundRobinRouter",
+    "least_loaded": None,  # Serve's own power-of-two-choices on queue length
+}
+
+
+def _request_router(cfg: PdserveConfig, role: str) -> RequestRouterConfig | None:
+    policy = cfg.router.prefill_policy if role == "prefill" else cfg.router.decode_policy
+    router_class = ROUTERS[policy]
+    if router_class is None:
+        return None
+    kwargs = {"block_size": cfg.engine.block_size} if policy == "prefix_affinity" else {}
+    return RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs,
+                               request_routing_stats_period_s=2)
+
+
 def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
     role_cfg = cfg.role_configs()[role]
     plan = cfg.replica_plan().role(role)
     assert plan is not None
     options: dict[str, Any] = {"name": role, "ray_actor_options": role_cfg.ray_actor_options(),
                                "max_ongoing_requests": cfg.engine.max_num_seqs * 2}
+    router = _request_router(cfg, role)
+    if router is not None:
+        options["request_router_config"] = router
     if role_cfg.autoscaling is not None:
         options["autoscaling_config"] = role_cfg.autoscaling.to_serve(plan.replicas)
     else:

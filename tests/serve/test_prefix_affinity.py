@@ -1,0 +1,55 @@
+"""Two prefill replicas behind the prefix-affinity router: repeats of a long prefix land on
+the replica that already holds it, so every repeat is a prefix-cache hit."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import ServedApps
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def two_prefill_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
+    from ray import serve
+
+    from conftest import app_config
+    from pdserve.cluster.app import build_from_config
+    from pdserve.cluster.config import parse_config
+
+    raw = app_config(tiny_checkpoints["llama"], "disaggregated")
+    raw["roles"]["prefill"]["replicas"] = 2
+    raw["roles"]["prefill"]["resources"] = {"num_cpus": 0.5}
+    raw["roles"]["decode"]["resources"] = {"num_cpus": 0.5}
+    serve.run(build_from_config(parse_config(raw, source="affinity")), name="affinity",
+              route_prefix="/affinity")
+    yield served_apps.url("affinity")
+    serve.delete("affinity")
+
+
+def test_repeated_prefixes_stick_to_their_prefill_replica(two_prefill_app: str,
+                                                          served_apps: ServedApps) -> None:
+    families = {
+        f"family {k}": f"Document {k}: " + " ".join(f"clause-{k}-{i}" for i in range(60))
+        for k in range(3)
+    }
+    hits: dict[str, list[int]] = {name: [] for name in families}
+    for round_ in range(4):
+        for name, doc in families.items():
+            r = httpx.post(f"{two_prefill_app}/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "max_tokens": 2, "messages": [
+                    {"role": "system", "content": doc},
+                    {"role": "user", "content": f"question {round_}"}]})
+            assert r.status_code == 200, r.text
+            hits[name].append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    for name, cached in hits.items():
+        assert cached[0] == 0, name
+        # Random placement over two replicas would miss a repeat with probability 1/2 each.
+        assert all(c > 100 for c in cached[1:]), (name, cached)
+    stats = served_apps.kv_stats("affinity")
+    assert stats["decode"]["num_running"] == 0
