@@ -36,8 +36,9 @@ class StagingAdmission:
         try:
             return await future
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.result() is not None:
-                self._pool.release(future.result())  # granted just as we were cancelled
+            granted = future.result() if future.done() and not future.cancelled() else None
+            if granted is not None:
+                self._pool.release(granted)  # granted just as we were cancelled
             raise
 
     def release(self, buffer: torch.Tensor) -> None:

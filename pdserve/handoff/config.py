@@ -55,7 +55,7 @@ class HandoffConfig:
     receiver_staging_bytes: int = 512 * MIB
     sender_staging_bytes: int = 512 * MIB
     max_piece_bytes: int = 16 * MIB
-    min_piece_bytes: int = 1 * MIB
+    min_piece_bytes: int = 4 * MIB
     finished_ttl_s: float = 60.0
     ucx_tls: str | None = None
     net_devices: str | None = None

@@ -10,6 +10,7 @@ import math
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,13 +99,12 @@ def layer_rows(cache: torch.Tensor, layer: int, layout: KVLayout) -> torch.Tenso
 
 def gather_piece(
     cache: torch.Tensor, block_ids: torch.Tensor, spec: PieceSpec, layout: KVLayout,
-    out: torch.Tensor, layers: Sequence[int] | None = None,
+    out: torch.Tensor, layers: Sequence[int] | None = None, hasher: Any = None,
 ) -> None:
     """Copy the piece's blocks (all its layers, or just ``layers``) into ``out`` (piece_view).
 
     On CUDA the copies are queued on the current stream, after the layer's writes. Host
-    memory is copied row by row with numpy: single-threaded memcpy speed, and no torch
-    intra-op threads spinning against the engine and the transport on small machines.
+    memory goes through `gather_rows` (see there).
     """
     ids = block_ids[spec.block_start : spec.block_end]
     chosen = layers if layers is not None else range(spec.layer_start, spec.layer_end)
@@ -112,12 +112,32 @@ def gather_piece(
         for layer in chosen:
             torch.index_select(layer_rows(cache, layer, layout), 1, ids, out=out[layer - spec.layer_start])
         return
-    src = _byte_rows(cache.view(cache.shape[0], 2, cache.shape[2], layout.block_elements))
-    dst = _byte_rows(out)
-    ids_list = ids.tolist()
+    src, dst, ids_list = cache_rows(cache, layout), byte_rows(out), ids.tolist()
     for layer in chosen:
-        for kv in (0, 1):
-            _take_rows(src[layer, kv], ids_list, dst[layer - spec.layer_start, kv])
+        gather_rows(src[layer], ids_list, dst[layer - spec.layer_start], hasher)
+
+
+def cache_rows(cache: torch.Tensor, layout: KVLayout) -> np.ndarray:
+    """A host cache as a uint8 numpy array ``[layers, 2, blocks, block_bytes / 2]`` (no copy)."""
+    return byte_rows(cache.view(cache.shape[0], 2, cache.shape[2], layout.block_elements))
+
+
+def gather_rows(src: np.ndarray, ids: list[int], out: np.ndarray, hasher: Any = None) -> None:
+    """One layer: ``out[kv, i] = src[kv, ids[i]]`` for K and V, in 1 MiB chunks.
+
+    numpy copies rows at single-threaded memcpy speed without torch's intra-op threads (which
+    spin against the engine and the transport on small machines). A ``hasher`` (xxh3) is fed
+    each chunk right after it was written, while it is still in cache; callers gather layers
+    in order so the stream matches the piece's byte order.
+    """
+    step = max(1, CHUNK_BYTES // out.shape[-1])
+    for kv in (0, 1):
+        rows, target = src[kv], out[kv]
+        for start in range(0, len(ids), step):
+            chunk = target[start : start + step]
+            _take_rows(rows, ids[start : start + step], chunk)
+            if hasher is not None:
+                hasher.update(chunk)
 
 
 def _take_rows(src: np.ndarray, ids: list[int], out: np.ndarray) -> None:
@@ -133,7 +153,7 @@ def digest(buffer: torch.Tensor) -> int:
     data = buffer.reshape(-1).view(torch.uint8)
     if data.is_cuda:
         data = data.cpu()
-    return xxhash.xxh3_64_intdigest(data.numpy())
+    return xxhash.xxh3_64_intdigest(data.numpy().data)
 
 
 def digest_and_scatter(
@@ -153,8 +173,8 @@ def digest_and_scatter(
             layer_rows(cache, spec.layer_start + offset, layout).index_copy_(1, ids, staged[offset])
         return digest(staged)
     hasher = xxhash.xxh3_64()
-    src = _byte_rows(staged)
-    dst = _byte_rows(cache.view(cache.shape[0], 2, cache.shape[2], layout.block_elements))
+    src = byte_rows(staged)
+    dst = byte_rows(cache.view(cache.shape[0], 2, cache.shape[2], layout.block_elements))
     ids_np = ids.numpy()
     rows_per_chunk = max(1, CHUNK_BYTES // src.shape[-1])
     for offset in range(spec.num_layers):
@@ -167,7 +187,7 @@ def digest_and_scatter(
     return hasher.intdigest()
 
 
-def _byte_rows(tensor: torch.Tensor) -> np.ndarray:
+def byte_rows(tensor: torch.Tensor) -> np.ndarray:
     """A host tensor ``[..., elements]`` as a numpy uint8 array ``[..., bytes]`` (no copy)."""
     return tensor.view(torch.uint8).numpy()
 

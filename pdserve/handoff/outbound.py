@@ -13,11 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.errors import HandoffCapacityError, HandoffError, HandoffProtocolError
-from pdserve.handoff.kvcopy import PieceSpec, gather_piece, piece_view
+from pdserve.handoff.kvcopy import PieceSpec, byte_rows, gather_piece, gather_rows, piece_view
 from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.ticket import HandoffTicket, SendResult
 
@@ -29,6 +31,7 @@ class ReadyPiece:
     spec: PieceSpec
     buffer: torch.Tensor  # uint8 staging buffer owned by the transfer until released
     event: Any  # torch.cuda.Event recorded after the gather, or None on host memory
+    digest: int | None  # xxh3-64 taken during the gather, or None: hash it off-thread
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class OutboundTransfer:
     _layers_done: set[int] = field(default_factory=set)
     _buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     _gathered_layers: dict[int, int] = field(default_factory=dict)
+    _hashers: dict[int, Any] = field(default_factory=dict)  # piece index -> xxh3 or None
+    _out_rows: dict[int, np.ndarray] = field(default_factory=dict)  # host piece byte views
+    _ids_list: list[int] = field(default_factory=list)
     _fence_requested: bool = False
     # loop-side state
     queue: Any = None  # asyncio.Queue of ReadyPiece | FenceRequest | None (wake-up)
@@ -74,6 +80,9 @@ class OutboundTransfer:
     sends: set[Any] = field(default_factory=set)
     bytes_sent: int = 0
     pieces_sent: int = 0
+
+    def __post_init__(self) -> None:
+        self._ids_list = self.block_ids.tolist()
 
     @property
     def request_id(self) -> str:
@@ -99,7 +108,8 @@ class OutboundTransfer:
             return True
 
     # ---- compute thread ---------------------------------------------------------------
-    def gather_layer(self, cache: torch.Tensor, layer: int) -> list[ReadyPiece]:
+    def gather_layer(self, cache: torch.Tensor, layer: int,
+                     src_rows: np.ndarray | None = None) -> list[ReadyPiece]:
         """Copy this layer's blocks into the staging buffers of the pieces that hold it and
         return the pieces now complete. Never waits on the network; on a full staging pool the
         transfer fails with `HandoffCapacityError` and the engine carries on.
@@ -114,20 +124,39 @@ class OutboundTransfer:
                 self._error = HandoffProtocolError(f"layer {layer} sent twice or out of range")
                 return []
             self._layers_done.add(layer)
-            ready = []
+            ready: list[ReadyPiece] = []
             for spec in self.plan:
                 if not spec.layer_start <= layer < spec.layer_end:
                     continue
                 buffer = self._buffer_for_locked(spec)
                 if buffer is None:
                     return ready  # the loop releases these: the transfer has failed
-                gather_piece(cache, self.block_ids, spec, self.layout,
-                             piece_view(buffer, spec, self.layout), layers=[layer])
-                self._gathered_layers[spec.index] = self._gathered_layers.get(spec.index, 0) + 1
-                if self._gathered_layers[spec.index] == spec.num_layers:
+                done = self._gathered_layers.get(spec.index, 0)
+                hasher = self._hasher_for(spec, layer, done, buffer)
+                if src_rows is not None:  # host: precomputed views, no per-layer torch calls
+                    out_rows = self._out_rows[spec.index][layer - spec.layer_start]
+                    gather_rows(src_rows[layer], self._ids_list[spec.block_start:spec.block_end],
+                                out_rows, hasher)
+                else:
+                    gather_piece(cache, self.block_ids, spec, self.layout,
+                                 piece_view(buffer, spec, self.layout), [layer], hasher)
+                self._gathered_layers[spec.index] = done + 1
+                if done + 1 == spec.num_layers:
                     del self._buffers[spec.index]
-                    ready.append(ReadyPiece(spec, buffer, _record_event(buffer)))
+                    self._out_rows.pop(spec.index, None)
+                    hasher = self._hashers.pop(spec.index, None)
+                    ready.append(ReadyPiece(spec, buffer, _record_event(buffer),
+                                            None if hasher is None else hasher.intdigest()))
             return ready
+
+    def _hasher_for(self, spec: PieceSpec, layer: int, done: int, buffer: torch.Tensor) -> Any:
+        """Hash while gathering (host, layers in order); else None: hashed later off-thread."""
+        if done == 0:
+            in_order = layer == spec.layer_start and not buffer.is_cuda
+            self._hashers[spec.index] = xxhash.xxh3_64() if in_order else None
+        elif self._hashers.get(spec.index) is not None and layer != spec.layer_start + done:
+            self._hashers[spec.index] = None
+        return self._hashers.get(spec.index)
 
     def request_fence(self) -> bool:
         """True if every layer was gathered; otherwise the transfer fails (caller bug)."""
@@ -159,6 +188,8 @@ class OutboundTransfer:
                     f"in use); dropping the handoff of {self.request_id!r}")
                 return None
             self._buffers[spec.index] = buffer
+            if not buffer.is_cuda:
+                self._out_rows[spec.index] = byte_rows(piece_view(buffer, spec, self.layout))
         return buffer
 
     # ---- loop side ------------------------------------------------------------------------

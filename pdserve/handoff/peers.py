@@ -12,7 +12,10 @@ from typing import Any
 
 from pdserve.handoff import auth
 from pdserve.handoff.errors import (
-    HandoffAuthError, HandoffCancelledError, HandoffError, HandoffPeerGoneError,
+    HandoffAuthError,
+    HandoffCancelledError,
+    HandoffError,
+    HandoffPeerGoneError,
 )
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import Frame, Kind, decode, encode
@@ -47,11 +50,11 @@ class PeerLink:
                      "host": self._transport.host}
             await self._send_raw(encode(Kind.HELLO, self.session_id, hello, None))
             await asyncio.wait_for(asyncio.shield(self.ready), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.fail(HandoffPeerGoneError(f"receiver did not answer the handshake within {timeout}s"))
         except HandoffError as exc:
             self.fail(exc)
-        except Exception as exc:  # UCX could not reach the address
+        except Exception as exc:  # noqa: BLE001 - UCX could not reach the address
             self.fail(HandoffPeerGoneError(f"cannot reach receiver: {exc}"))
 
     # ---- frames from the receiver -----------------------------------------------------

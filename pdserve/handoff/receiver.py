@@ -18,8 +18,14 @@ import torch
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.admission import StagingAdmission
 from pdserve.handoff.errors import (
-    HandoffCancelledError, HandoffCapacityError, HandoffDigestError, HandoffError,
-    HandoffPeerGoneError, HandoffProtocolError, HandoffTimeoutError, HandoffUnknownTransferError,
+    HandoffCancelledError,
+    HandoffCapacityError,
+    HandoffDigestError,
+    HandoffError,
+    HandoffPeerGoneError,
+    HandoffProtocolError,
+    HandoffTimeoutError,
+    HandoffUnknownTransferError,
     error_from_code,
 )
 from pdserve.handoff.faults import ReceiverFaults
@@ -142,7 +148,7 @@ class HandoffReceiver:
         future = asyncio.wrap_future(self.ready_future(request_id))
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"request {request_id!r} not ready within {timeout}s") from None
 
     def cancel(self, request_id: str) -> bool:
@@ -254,10 +260,10 @@ class HandoffReceiver:
             except HandoffError as exc:
                 return self._fail(record, exc, session)
             self._maybe_ready(record)
-        elif kind is Kind.ABORT_TO_RECEIVER and record is not None and not record.terminal:
-            if record.session_id == session.session_id:
-                cause = error_from_code(frame.body["code"], frame.body["message"])
-                self._finish(record, type(cause)(f"sender aborted: {cause}"))
+        elif (kind is Kind.ABORT_TO_RECEIVER and record is not None and not record.terminal
+              and record.session_id == session.session_id):
+            cause = error_from_code(frame.body["code"], frame.body["message"])
+            self._finish(record, type(cause)(f"sender aborted: {cause}"))
         return None
 
     def _on_begin(self, record: InboundTransfer | None, frame: Frame,
@@ -326,7 +332,7 @@ class HandoffReceiver:
         except asyncio.CancelledError:
             self._pool.quarantine(buffer)  # UCX may still write into it
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any UCX failure ends this transfer only
             self._admission.release(buffer)
             return self._fail(record, HandoffPeerGoneError(f"piece {spec.index} failed: {exc}"))
         # The payload thread keeps using the buffer even if this task is cancelled: release it

@@ -10,15 +10,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.errors import (
-    HandoffCancelledError, HandoffError, HandoffPeerGoneError, HandoffTimeoutError,
+    HandoffCancelledError,
+    HandoffError,
+    HandoffPeerGoneError,
+    HandoffTimeoutError,
     error_from_code,
 )
 from pdserve.handoff.faults import SenderFaults
-from pdserve.handoff.kvcopy import PieceSpec, combine_digests, digest, plan_pieces
+from pdserve.handoff.kvcopy import PieceSpec, cache_rows, combine_digests, digest, plan_pieces
 from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
 from pdserve.handoff.peers import PeerLink
 from pdserve.handoff.staging import StagingPool, StagingStats
@@ -86,8 +90,14 @@ class HandoffSender:
                    transfers: Sequence[OutboundTransfer]) -> None:
         """Compute thread, right after layer ``layer`` (local index) was written: gather that
         layer's blocks for every transfer in ``transfers`` and hand them to the transport."""
+        views: dict[KVLayout, np.ndarray] = {}  # host caches: one numpy view per layout
         for transfer in transfers:
-            for piece in transfer.gather_layer(cache, layer):
+            src_rows = None
+            if not cache.is_cuda:
+                if transfer.layout not in views:
+                    views[transfer.layout] = cache_rows(cache, transfer.layout)
+                src_rows = views[transfer.layout]
+            for piece in transfer.gather_layer(cache, layer, src_rows):
                 self._transport.call_soon(self._enqueue, transfer, piece)
 
     def send_all_layers(self, cache: torch.Tensor, transfers: Sequence[OutboundTransfer]) -> None:
@@ -165,12 +175,16 @@ class HandoffSender:
                         piece: ReadyPiece) -> tuple[PieceSpec, int, int]:
         spec, nbytes = piece.spec, piece.spec.nbytes(transfer.layout)
         view = piece.buffer[:nbytes]
-        job = asyncio.ensure_future(self._transport.run_payload(_wait_and_digest, view, piece.event))
-        try:
-            piece_digest = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            job.add_done_callback(lambda _: self._pool.release(piece.buffer))
-            raise
+        if piece.digest is not None:
+            piece_digest = piece.digest
+        else:
+            job = asyncio.ensure_future(self._transport.run_payload(_wait_and_digest, view,
+                                                                    piece.event))
+            try:
+                piece_digest = await asyncio.shield(job)
+            except asyncio.CancelledError:
+                job.add_done_callback(lambda _: self._pool.release(piece.buffer))
+                raise
         if self._faults.corrupt_piece == spec.index:
             view[nbytes // 2] ^= 0xFF  # after hashing: what a flipped bit on the wire looks like
         claimed = nbytes + (self._faults.inflate_piece_bytes if spec.index == 0 else 0)
@@ -194,7 +208,7 @@ class HandoffSender:
         except asyncio.CancelledError:
             self._pool.quarantine(piece.buffer)  # the peer may still read it
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any UCX failure ends this transfer only
             self._pool.release(piece.buffer)
             transfer.fail(HandoffPeerGoneError(f"sending piece {piece.spec.index} failed: {exc}"))
         finally:

@@ -80,14 +80,14 @@ class HandoffTicket:
         values = dict(data)
         layout = values.get("layout")
         if not isinstance(layout, dict):
-            raise ValueError("HandoffTicket.layout must be a dict (KVLayout.to_dict())")
+            raise TypeError("HandoffTicket.layout must be a dict (KVLayout.to_dict())")
         values["layout"] = KVLayout.from_dict(layout)
         for name, kind in (("transfer_id", int), ("receiver_instance", int), ("num_blocks", int),
                            ("num_tokens", int), ("expected_bytes", int), ("max_piece_bytes", int)):
             if not isinstance(values.get(name), kind) or isinstance(values.get(name), bool):
-                raise ValueError(f"HandoffTicket.{name} must be an int, got {values.get(name)!r}")
+                raise TypeError(f"HandoffTicket.{name} must be an int, got {values.get(name)!r}")
         if not isinstance(values.get("receiver_address"), (bytes, bytearray)):
-            raise ValueError("HandoffTicket.receiver_address must be bytes")
+            raise TypeError("HandoffTicket.receiver_address must be bytes")
         values["receiver_address"] = bytes(values["receiver_address"])
         values["deadline"] = float(values["deadline"])
         return cls(**values)

@@ -19,7 +19,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 
 from pdserve.handoff.auth import MAC_BYTES, check_mac, mac
 

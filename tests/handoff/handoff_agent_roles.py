@@ -13,7 +13,11 @@ import torch
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff import (
-    HandoffError, HandoffReceiver, HandoffSender, HandoffTicket, HandoffTransport,
+    HandoffError,
+    HandoffReceiver,
+    HandoffSender,
+    HandoffTicket,
+    HandoffTransport,
     OutboundTransfer,
 )
 from pdserve.handoff.faults import ReceiverFaults, SenderFaults
@@ -162,7 +166,9 @@ class Roles:
         return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
 
     def profile_loop(self, on: bool) -> str:
-        import cProfile, io, pstats
+        import cProfile
+        import io
+        import pstats
         async def toggle() -> str:
             if on:
                 self._prof = cProfile.Profile()
@@ -170,6 +176,6 @@ class Roles:
                 return ""
             self._prof.disable()
             out = io.StringIO()
-            pstats.Stats(self._prof, stream=out).sort_stats("tottime").print_stats(25)
+            pstats.Stats(self._prof, stream=out).sort_stats("tottime").print_stats(40)
             return out.getvalue()
         return self.transport.submit(toggle()).result(10)

@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.errors import (
-    HandoffCancelledError, HandoffError, HandoffLayoutError, HandoffProtocolError,
+    HandoffCancelledError,
+    HandoffError,
+    HandoffLayoutError,
+    HandoffProtocolError,
 )
 from pdserve.handoff.inbound import InboundState, InboundTransfer
 from pdserve.handoff.kvcopy import combine_digests, plan_pieces

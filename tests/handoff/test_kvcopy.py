@@ -12,8 +12,14 @@ import xxhash
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.kvcopy import (
-    PieceSpec, check_contiguous, combine_digests, digest, digest_and_scatter, gather_piece,
-    piece_view, plan_pieces,
+    PieceSpec,
+    check_contiguous,
+    combine_digests,
+    digest,
+    digest_and_scatter,
+    gather_piece,
+    piece_view,
+    plan_pieces,
 )
 from pdserve.handoff.transport import _ucx_buffer
 

@@ -10,7 +10,15 @@ from hypothesis import strategies as st
 
 from pdserve.handoff import auth
 from pdserve.handoff.wire import (
-    CONTROL_TAG, MAX_FRAME_BYTES, MAX_PIECES, Kind, WireError, data_tag, decode, encode, peek,
+    CONTROL_TAG,
+    MAX_FRAME_BYTES,
+    MAX_PIECES,
+    Kind,
+    WireError,
+    data_tag,
+    decode,
+    encode,
+    peek,
 )
 
 KEY = auth.session_key("secret", 7, b"s" * 16, b"r" * 16)

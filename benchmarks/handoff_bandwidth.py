@@ -1,0 +1,325 @@
+"""KV handoff bandwidth: pdserve's UCXX handoff vs in-process memcpy vs the Ray object store
+between two Ray nodes vs a plain TCP socket, for KV-shaped payloads of 1 to 256 MiB.
+
+Run: ``python benchmarks/handoff_bandwidth.py [--sizes 1,4,16,64,256] [--reps 5] [--no-ray]``
+
+Every number is the median over ``--reps`` runs after one warm-up, on one machine:
+- handoff: two spawned processes; from the first per-layer hook call on the sender to the
+  receiver's ready future resolving (gather, digest, UCX transfer, digest check, scatter and
+  fence all included), with block ids scattered at random on both sides ("scattered") and
+  with each side's blocks in one run ("runs").
+- memcpy: ``np.copyto`` of the same number of bytes in this process (the ceiling).
+- tcp: two processes, ``sendall``/``recv_into`` over 127.0.0.1, first byte sent to last byte in.
+- ray: two Ray nodes started here (``ray.cluster_utils.Cluster``: separate raylets and object
+  stores, its own temp dir, shut down by its own pids); ``ray.put`` in an actor pinned to one
+  node plus ``ray.get`` in an actor pinned to the other (both timed inside the actors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+MIB = 1 << 20
+NUM_LAYERS = 32
+BENCH_CONFIG: dict[str, Any] = {
+    "auth_token": "bench-secret", "receiver_staging_bytes": 512 * MIB,
+    "sender_staging_bytes": 512 * MIB, "max_piece_bytes": 16 * MIB, "min_piece_bytes": 4 * MIB,
+    "default_timeout_s": 60.0,
+}
+
+
+def bench_layout() -> Any:
+    """A Llama-like KV slice: 32 layers x 8 KV heads x 64 dims, fp16, 16-token blocks, so one
+    block across all layers is exactly 1 MiB and an N MiB payload is N blocks."""
+    from pdserve.engine.kv_layout import KVLayout
+
+    return KVLayout("bench", "float16", block_size=16, num_layers=NUM_LAYERS, num_kv_heads=8,
+                    head_dim=64)
+
+
+# ---- child processes ------------------------------------------------------------------------
+def handoff_worker(conn: Any, role: str, num_cache_blocks: int) -> None:
+    """One handoff role in its own process, driven by (op, args) tuples over a pipe."""
+    import torch
+
+    from pdserve.handoff import (
+        HandoffConfig,
+        HandoffReceiver,
+        HandoffSender,
+        HandoffTicket,
+        HandoffTransport,
+    )
+
+    layout = bench_layout()
+    cache = torch.randn(layout.cache_shape(num_cache_blocks)).to(layout.torch_dtype)
+    transport = HandoffTransport(HandoffConfig(**BENCH_CONFIG)).start()
+    receiver = HandoffReceiver(transport, cache, layout) if role == "receiver" else None
+    sender = HandoffSender(transport) if role == "sender" else None
+    stamps: dict[str, float] = {}
+    conn.send("up")
+    while True:
+        op, args = conn.recv()
+        if op == "stop":
+            transport.stop()
+            conn.send("stopped")
+            return
+        if op == "reserve" and receiver is not None:
+            request_id, block_ids = args
+            ticket = receiver.reserve(request_id, block_ids, layout, len(block_ids) * 16)
+            future = receiver.ready_future(request_id)
+            future.add_done_callback(lambda _, r=request_id: stamps.__setitem__(r, time.monotonic()))
+            conn.send(ticket.to_dict())
+        elif op == "wait" and receiver is not None:
+            info = receiver.wait_ready(args, timeout=60)
+            conn.send((stamps[args], info.num_bytes))
+        elif op == "push" and sender is not None:
+            ticket, block_ids = args
+            transfer = sender.start_transfer(HandoffTicket.from_dict(ticket), block_ids, layout)
+            started = time.monotonic()
+            for layer in range(layout.num_local_layers):  # the engine's per-layer hook
+                sender.send_layer(cache, layer, [transfer])
+            sender.send_fence(transfer, 1)
+            result = transfer.released.result(60)
+            conn.send((started, result.ok, str(result.error)))
+
+
+def tcp_receiver(conn: Any, max_bytes: int) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    conn.send(server.getsockname()[1])
+    peer, _ = server.accept()
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 * MIB)
+    buffer = memoryview(bytearray(max_bytes))
+    while True:
+        nbytes = conn.recv()
+        if nbytes == 0:
+            return
+        got = 0
+        while got < nbytes:
+            got += peer.recv_into(buffer[got:nbytes])
+        conn.send(time.monotonic())
+
+
+def tcp_sender(conn: Any, port: int, max_bytes: int) -> None:
+    peer = socket.create_connection(("127.0.0.1", port))
+    peer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 * MIB)
+    payload = memoryview(np.random.randint(0, 255, max_bytes, dtype=np.uint8).tobytes())
+    while True:
+        nbytes = conn.recv()
+        if nbytes == 0:
+            return
+        started = time.monotonic()
+        peer.sendall(payload[:nbytes])
+        conn.send(started)
+
+
+# ---- measurements ------------------------------------------------------------------------------
+def median_rate(nbytes: int, timings: list[float]) -> tuple[float, float]:
+    seconds = statistics.median(timings)
+    return nbytes / seconds / 1e9, seconds * 1e3
+
+
+def measure_memcpy(sizes: list[int], reps: int) -> dict[int, tuple[float, float]]:
+    results = {}
+    for size in sizes:
+        src = np.random.randint(0, 255, size * MIB, dtype=np.uint8)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)  # warm-up: fault the pages in
+        timings = []
+        for _ in range(reps):
+            started = time.perf_counter()
+            np.copyto(dst, src)
+            timings.append(time.perf_counter() - started)
+        results[size] = median_rate(size * MIB, timings)
+        report("memcpy", size, results[size])
+    return results
+
+
+def measure_handoff(sizes: list[int], reps: int, contiguous: bool) -> dict[int, tuple[float, float]]:
+    ctx = multiprocessing.get_context("spawn")
+    num_cache_blocks = max(sizes) + 8
+    pipes, processes = [], []
+    for role in ("receiver", "sender"):
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=handoff_worker, args=(child, role, num_cache_blocks))
+        process.start()
+        pipes.append(parent)
+        processes.append(process)
+    receiver, sender = pipes
+    try:
+        for pipe in pipes:
+            assert pipe.recv() == "up"
+        rng = random.Random(0)
+        results = {}
+        for size in sizes:
+            timings = []
+            for rep in range(reps + 1):
+                if contiguous:
+                    start = rng.randrange(num_cache_blocks - size + 1)
+                    dst = list(range(start, start + size))
+                    src = list(range(num_cache_blocks - size, num_cache_blocks))
+                else:
+                    dst = rng.sample(range(num_cache_blocks), size)
+                    src = rng.sample(range(num_cache_blocks), size)
+                request_id = f"{size}-{rep}"
+                receiver.send(("reserve", (request_id, dst)))
+                sender.send(("push", (receiver.recv(), src)))
+                receiver.send(("wait", request_id))
+                ready_at, nbytes = receiver.recv()
+                started, ok, error = sender.recv()
+                if not ok:
+                    raise RuntimeError(f"handoff of {size} MiB failed: {error}")
+                assert nbytes == size * MIB
+                if rep:  # the first run warms staging pools and links
+                    timings.append(ready_at - started)
+            results[size] = median_rate(size * MIB, timings)
+            report(f"handoff ({'runs' if contiguous else 'scattered'})", size, results[size])
+        return results
+    finally:
+        for pipe in pipes:
+            pipe.send(("stop", None))
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
+def measure_tcp(sizes: list[int], reps: int) -> dict[int, tuple[float, float]]:
+    ctx = multiprocessing.get_context("spawn")
+    max_bytes = max(sizes) * MIB
+    rx_parent, rx_child = ctx.Pipe()
+    rx = ctx.Process(target=tcp_receiver, args=(rx_child, max_bytes))
+    rx.start()
+    tx_parent, tx_child = ctx.Pipe()
+    tx = ctx.Process(target=tcp_sender, args=(tx_child, rx_parent.recv(), max_bytes))
+    tx.start()
+    results = {}
+    try:
+        for size in sizes:
+            timings = []
+            for rep in range(reps + 1):
+                rx_parent.send(size * MIB)
+                tx_parent.send(size * MIB)
+                started, finished = tx_parent.recv(), rx_parent.recv()
+                if rep:
+                    timings.append(finished - started)
+            results[size] = median_rate(size * MIB, timings)
+            report("tcp", size, results[size])
+    finally:
+        rx_parent.send(0)
+        tx_parent.send(0)
+        for process in (rx, tx):
+            process.join(30)
+    return results
+
+
+def measure_ray(sizes: list[int], reps: int) -> dict[int, tuple[float, float]]:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="pdserve-bench-ray-")
+    store = (max(sizes) * 4 + 256) * MIB
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"node_a": 1}, "object_store_memory": store,
+        "temp_dir": temp_dir, "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=store)
+    results = {}
+    try:
+        ray.init(address=cluster.address, logging_level="ERROR")
+
+        @ray.remote(num_cpus=0, resources={"node_a": 0.5})
+        class Producer:
+            def put(self, nbytes: int) -> tuple[list[Any], float]:
+                payload = np.random.randint(0, 255, nbytes, dtype=np.uint8)
+                started = time.perf_counter()
+                ref = ray.put(payload)
+                return [ref], time.perf_counter() - started  # a list: the ref stays a ref
+
+        @ray.remote(num_cpus=0, resources={"node_b": 0.5})
+        class Consumer:
+            def get(self, refs: list[Any]) -> tuple[float, str]:
+                started = time.perf_counter()
+                value = ray.get(refs[0])
+                elapsed = time.perf_counter() - started
+                assert value.nbytes > 0
+                return elapsed, ray.get_runtime_context().get_node_id()
+
+        producer, consumer = Producer.remote(), Consumer.remote()
+        for size in sizes:
+            timings = []
+            for rep in range(reps + 1):
+                refs, put_s = ray.get(producer.put.remote(size * MIB))
+                get_s, _ = ray.get(consumer.get.remote(refs))
+                del refs
+                if rep:
+                    timings.append(put_s + get_s)
+            results[size] = median_rate(size * MIB, timings)
+            report("ray object store", size, results[size])
+    finally:
+        ray.shutdown()
+        cluster.shutdown()  # stops exactly the raylets/GCS this cluster started
+    return results
+
+
+# ---- reporting -----------------------------------------------------------------------------------
+def report(name: str, size: int, rate: tuple[float, float]) -> None:
+    print(f"  {name:>22s} {size:4d} MiB: {rate[0]:6.2f} GB/s  {rate[1]:8.2f} ms", flush=True)
+
+
+def table(sizes: list[int], columns: dict[str, dict[int, tuple[float, float]]]) -> str:
+    memcpy = columns["memcpy"]
+    names = list(columns)
+    lines = ["| size | " + " | ".join(f"{n} GB/s (ms, x memcpy)" for n in names) + " |",
+             "|---:|" + "---:|" * len(names)]
+    for size in sizes:
+        cells = []
+        for name in names:
+            rate, ms = columns[name][size]
+            cells.append(f"{rate:.2f} ({ms:.1f}, {rate / memcpy[size][0]:.2f}x)")
+        lines.append(f"| {size} MiB | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,4,16,64,256", help="payload sizes in MiB")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-ray", action="store_true", help="skip the Ray object store")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    print(f"KV-shaped payloads: {NUM_LAYERS} layers x N blocks of 32 KiB per layer (fp16); "
+          f"{os.cpu_count()} CPUs; median of {args.reps} runs", flush=True)
+    steps: list[tuple[str, Callable[[], dict[int, tuple[float, float]]]]] = [
+        ("memcpy", lambda: measure_memcpy(sizes, args.reps)),
+        ("handoff scattered", lambda: measure_handoff(sizes, args.reps, contiguous=False)),
+        ("handoff runs", lambda: measure_handoff(sizes, args.reps, contiguous=True)),
+        ("tcp", lambda: measure_tcp(sizes, args.reps)),
+    ]
+    if not args.no_ray:
+        steps.append(("ray", lambda: measure_ray(sizes, args.reps)))
+    columns = {}
+    for name, run in steps:
+        print(f"[{name}]", flush=True)
+        columns[name] = run()
+    print()
+    print(table(sizes, columns))
+    if "ray" in columns:
+        ratios = [columns["handoff scattered"][s][0] / columns["ray"][s][0] for s in sizes]
+        print("\nhandoff (scattered) / ray object store: "
+              + ", ".join(f"{s} MiB {r:.1f}x" for s, r in zip(sizes, ratios)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
