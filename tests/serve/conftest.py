@@ -42,7 +42,7 @@ def app_config(model_path: str, mode: str, **router: Any) -> dict[str, Any]:
         "mode": mode,
         "roles": roles,
         "router": {"min_disaggregated_prompt_tokens": 16, "max_queued_requests": 64,
-                   "request_timeout_s": 120, **router},
+                   "request_timeout_s": 120} | router,
         "handoff": {"auth_token": HANDOFF_TOKEN, "timeout_s": 20},
     }
 
@@ -91,8 +91,10 @@ def served_apps(tiny_checkpoints: dict[str, str]) -> Iterator[ServedApps]:
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         path = tiny_checkpoints["llama"]
-        for name, mode in (("disagg", "disaggregated"), ("colo", "colocated")):
-            cfg = parse_config(app_config(path, mode), source=f"test app {name}")
+        # The colocated app admits few requests at once, to exercise admission control.
+        for name, mode, limit in (("disagg", "disaggregated", 64), ("colo", "colocated", 4)):
+            cfg = parse_config(app_config(path, mode, max_queued_requests=limit),
+                               source=f"test app {name}")
             serve.run(build_from_config(cfg), name=name, route_prefix=f"/{name}")
         yield ServedApps(f"http://127.0.0.1:{port}")
     finally:

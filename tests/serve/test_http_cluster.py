@@ -217,3 +217,32 @@ def test_models_and_health(served_apps: ServedApps) -> None:
     models = client(served_apps, "disagg").models.list()
     assert [m.id for m in models.data] == ["tiny"]
     assert httpx.get(f"{served_apps.url('colo')}/health", timeout=30).json() == {"status": "ok"}
+
+
+def test_admission_limit_answers_429_with_retry_after(served_apps: ServedApps) -> None:
+    """The colocated app admits 4 requests at once; a burst of 10 gets some 429s, and the
+    admitted ones still finish correctly."""
+    url = f"{served_apps.url('colo')}/v1/chat/completions"
+    body = {"model": "tiny", "stream": True, "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "messages": [{"role": "user", "content": "count slowly"}]}
+
+    def one(_: int) -> tuple[int, str | None, int]:
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    r.read()
+                    assert r.json()["error"]["message"]
+                    return r.status_code, r.headers.get("retry-after"), 0
+                data = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+                finished = any('"finish_reason":"length"' in d.replace(" ", "") for d in data)
+                return 200, None, int(data[-1] == "[DONE]" and finished)
+
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        results = list(pool.map(one, range(10)))
+    rejected = [r for r in results if r[0] == 429]
+    admitted = [r for r in results if r[0] == 200]
+    assert rejected and all(float(retry) >= 1 for _, retry, _ in rejected)
+    assert len(admitted) >= 4
+    # Every admitted stream ran to its 300 tokens and closed properly.
+    assert all(complete for _, _, complete in admitted)
+    served_apps.wait_all_free("colo")
