@@ -35,6 +35,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the cluster from a YAML config")
     p.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/local.yaml)")
+    p.add_argument("--address", default="local",
+                   help="Ray to use: 'local' starts a private one (default), 'auto' joins the "
+                        "cluster on this machine (after `ray up` or `ray start`), or host:port")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,7 +80,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from pdserve.cluster.serve_command import serve
 
-    return serve(args.config)
+    return serve(args.config, args.address)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 APP_NAME = "pdserve"
 
 
-def start(cfg: PdserveConfig, address: str | None = None) -> str:
+def start(cfg: PdserveConfig, address: str = "local") -> str:
     """Start Ray (or join `address`) and the application; return its base URL."""
     import ray
     from ray import serve
@@ -28,9 +28,9 @@ def start(cfg: PdserveConfig, address: str | None = None) -> str:
     return f"http://{cfg.http.host}:{cfg.http.port}"
 
 
-def serve(config_path: str | None) -> int:
+def serve(config_path: str | None, address: str = "local") -> int:
     cfg = load_config(config_path)
-    url = start(cfg)
+    url = start(cfg, address)
     print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)", flush=True)
     try:
         threading.Event().wait()

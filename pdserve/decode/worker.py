@@ -18,6 +18,7 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
+from pdserve.log import configure_logging
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class DecodeWorker:
     """
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None) -> None:
+        configure_logging()
         self.engine = LLMEngine(engine_config)
         self.async_engine = AsyncEngine(self.engine)
         self.reserve_timeout_s = handoff_config.default_timeout_s if handoff_config else 30.0

@@ -15,8 +15,15 @@ from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode, RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
-from pdserve.handoff import HandoffConfig, HandoffSender, HandoffTicket, HandoffTransport
-from pdserve.handoff import OutboundTransfer, SendResult
+from pdserve.handoff import (
+    HandoffConfig,
+    HandoffSender,
+    HandoffTicket,
+    HandoffTransport,
+    OutboundTransfer,
+    SendResult,
+)
+from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult
 
 logger = logging.getLogger(__name__)
@@ -32,6 +39,7 @@ class PrefillWorker:
     """
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig) -> None:
+        configure_logging()
         self.engine = LLMEngine(engine_config)
         self.transport = HandoffTransport(handoff_config).start()
         self.sender = HandoffSender(self.transport, device=self.engine.device)

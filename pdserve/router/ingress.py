@@ -17,24 +17,46 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.log import configure_logging
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.errors import ModelNotFoundError, RequestTimeoutError
 from pdserve.router.http_errors import install_error_handlers
 from pdserve.router.metrics import PdserveMetrics
-from pdserve.router.pipeline import GenerationDelta, GenerationPipeline, PipelineSettings, RequestTrace
+from pdserve.router.pipeline import (
+    GenerationDelta,
+    GenerationPipeline,
+    PipelineSettings,
+    RequestTrace,
+)
 from pdserve.router.protocol import (
-    ChatCompletionRequest, CompletionRequest, parse_request, resolve_max_tokens, to_sampling_params,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    resolve_max_tokens,
+    to_sampling_params,
 )
 from pdserve.router.protocol_responses import (
-    AssistantMessage, ChatCompletionChoice, ChatCompletionResponse, CompletionChoice,
-    CompletionResponse, ModelCard, ModelList, Usage, new_request_id, unix_time,
+    AssistantMessage,
+    ChatCompletionChoice,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_request_id,
+    unix_time,
 )
 from pdserve.router.sse import (
-    DONE_EVENT, SSE_MEDIA_TYPE, ChatStreamFormatter, CompletionStreamFormatter, error_event,
+    DONE_EVENT,
+    SSE_MEDIA_TYPE,
+    ChatStreamFormatter,
+    CompletionStreamFormatter,
+    error_event,
 )
 from pdserve.router.timings import time_per_output_token_ms
 
-logger = logging.getLogger("pdserve.requests")
+logger = logging.getLogger("pdserve.requests")  # one JSON line per request
 
 
 @dataclass(frozen=True)
@@ -61,6 +83,7 @@ class Ingress:
     """One ingress replica: tokenizer, pipeline, admission gate and metrics."""
 
     def __init__(self, decode: Any, prefill: Any | None, settings: IngressSettings) -> None:
+        configure_logging()
         self.settings = settings
         self.tokenizer = Tokenizer.from_checkpoint(settings.model_path)
         self.pipeline = GenerationPipeline(decode, prefill, settings.pipeline)

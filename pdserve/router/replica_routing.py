@@ -9,11 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 from ray.serve.request_router import (
-    FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica,
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    ReplicaResult,
+    RequestRouter,
+    RunningReplica,
 )
 
 from pdserve.router.pairing import (
-    KVHeadroom, PrefixOwnerTable, prefix_hashes, rank_by_affinity, rank_by_headroom,
+    KVHeadroom,
+    PrefixOwnerTable,
+    prefix_hashes,
+    rank_by_affinity,
+    rank_by_headroom,
 )
 
 # Why Serve's RequestRouter and not the ingress's own replica tracking: Serve already knows
