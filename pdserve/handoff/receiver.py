@@ -16,11 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.handoff.admission import StagingAdmission
 from pdserve.handoff.errors import (
     HandoffCancelledError,
-    HandoffCapacityError,
-    HandoffDigestError,
     HandoffError,
     HandoffPeerGoneError,
     HandoffProtocolError,
@@ -30,7 +27,7 @@ from pdserve.handoff.errors import (
 )
 from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundState, InboundTransfer
-from pdserve.handoff.kvcopy import PieceSpec, digest_and_scatter, piece_view
+from pdserve.handoff.landing import PieceLanding
 from pdserve.handoff.sessions import SenderSession, SessionTable
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import FenceInfo, HandoffTicket
@@ -75,14 +72,14 @@ class HandoffReceiver:
         self._config = transport.config
         self._faults = faults or ReceiverFaults()
         self._pool = StagingPool(self._config.receiver_staging_bytes, cache.device)
-        self._admission = StagingAdmission(self._pool)
+        self._landing = PieceLanding(transport, cache, self._pool, self._faults, self._fail,
+                                     self._maybe_ready)
         self._sessions = SessionTable(transport)
         self._lock = threading.Lock()  # guards the three registries below
         self._by_request: dict[str, InboundTransfer] = {}
         self._by_tid: dict[int, InboundTransfer] = {}
         self._writable: set[int] = set()
-        self._tasks: dict[int, set[asyncio.Task[None]]] = {}  # loop only, by transfer id
-        self._counts = {"ready": 0, "failed": 0, "drained": 0, "rejected": 0}
+        self._counts = {"ready": 0, "failed": 0, "rejected": 0}
         self._sweeper: asyncio.Task[None] | None = None
         transport.register(_ROLE_KINDS, self._on_frame)
         transport.on_shutdown(self._on_shutdown)
@@ -180,7 +177,7 @@ class HandoffReceiver:
             active = sum(not r.terminal for r in self._by_request.values())
             receiving = sum(r.state is InboundState.RECEIVING for r in self._by_request.values())
         return ReceiverStats(active, receiving, self._counts["ready"], self._counts["failed"],
-                             self._counts["drained"], self._sessions.num_refused,
+                             self._landing.num_drained, self._sessions.num_refused,
                              self._counts["rejected"], self._pool.stats())
 
     # ---- ending a transfer ---------------------------------------------------------------
@@ -212,18 +209,10 @@ class HandoffReceiver:
                                 {"tid": record.transfer_id, "code": error.code, "message": str(error)})
 
     def _after_finish(self, record: InboundTransfer) -> None:
-        self._admission.pump()  # waiters of this transfer get None and drain
+        self._landing.transfer_ended(record)
         session = self._sessions.get(record.session_id)
         if record.state is InboundState.READY and session is not None:
             self._sessions.send(session, Kind.DONE, {"tid": record.transfer_id})
-        if record.state is InboundState.FAILED and self._tasks.get(record.transfer_id):
-            # Receives still posted for a failed transfer: give a live sender time to send what
-            # it announced (drained on arrival), then stop waiting on a dead one.
-            self._transport.loop.call_later(self._config.peer_timeout_s, self._reap, record.transfer_id)
-
-    def _reap(self, transfer_id: int) -> None:
-        for task in list(self._tasks.get(transfer_id, ())):
-            task.cancel()
 
     def _arm_deadline(self, record: InboundTransfer) -> None:
         self._transport.loop.call_later(max(0.0, record.deadline - time.monotonic()),
@@ -290,81 +279,15 @@ class HandoffReceiver:
         tid = frame.body["tid"]
         tag = data_tag(tid, index)
         if record is None or record.terminal:
-            self._track(tid, self._drain(tag))
+            self._landing.drain(tid, tag)
             return
         try:
             spec = record.accept_piece(session.session_id, frame.body)
         except HandoffError as exc:
             self._fail(record, exc, session)
-            self._track(tid, self._drain(tag))
+            self._landing.drain(tid, tag)
             return
-        self._track(tid, self._receive_piece(record, spec, tag))
-
-    def _track(self, tid: int, coro: object) -> None:
-        task = self._transport.spawn(coro)  # type: ignore[arg-type]
-        bucket = self._tasks.setdefault(tid, set())
-        bucket.add(task)
-
-        def done(t: asyncio.Task[None]) -> None:
-            bucket.discard(t)
-            if not bucket and self._tasks.get(tid) is bucket:
-                del self._tasks[tid]
-        task.add_done_callback(done)
-
-    # ---- payload --------------------------------------------------------------------------
-    async def _drain(self, tag: int) -> None:
-        await asyncio.wait_for(self._transport.drain(tag), self._config.default_timeout_s)
-        self._counts["drained"] += 1
-
-    async def _receive_piece(self, record: InboundTransfer, spec: PieceSpec, tag: int) -> None:
-        nbytes = spec.nbytes(record.layout)
-        if not self._pool.fits_ever(nbytes):
-            self._fail(record, HandoffCapacityError(f"piece of {nbytes} bytes exceeds staging"))
-            return await self._drain(tag)
-        buffer = await self._admission.acquire(nbytes, lambda: record.terminal)
-        if buffer is None:
-            return await self._drain(tag)
-        view = buffer[:nbytes]
-        try:
-            if self._faults.recv_delay_s:
-                await asyncio.sleep(self._faults.recv_delay_s)
-            await self._transport.recv_payload(view, tag)
-        except asyncio.CancelledError:
-            self._pool.quarantine(buffer)  # UCX may still write into it
-            raise
-        except Exception as exc:  # noqa: BLE001 - any UCX failure ends this transfer only
-            self._admission.release(buffer)
-            return self._fail(record, HandoffPeerGoneError(f"piece {spec.index} failed: {exc}"))
-        # The payload thread keeps using the buffer even if this task is cancelled: release it
-        # only when that work is over.
-        job = asyncio.ensure_future(self._transport.run_payload(self._land, record, spec, view))
-        job.add_done_callback(lambda _: self._admission.release(buffer))
-        try:
-            actual = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.exception("landing piece %d of %r failed", spec.index, record.request_id)
-            return self._fail(record, HandoffError(f"landing piece {spec.index} failed: {exc}"))
-        if actual is None:
-            self._counts["drained"] += 1
-        elif actual != record.piece_digest(spec.index):
-            self._fail(record, HandoffDigestError(
-                f"piece {spec.index} (layers {spec.layer_start}-{spec.layer_end - 1}) of "
-                f"{record.request_id!r} hashes to {actual:#x}, its header said "
-                f"{record.piece_digest(spec.index):#x}"))
-        else:
-            record.mark_landed(spec.index)
-            self._maybe_ready(record)
-        return None
-
-    def _land(self, record: InboundTransfer, spec: PieceSpec, view: torch.Tensor) -> int | None:
-        """Payload thread: scatter under the write lock, unless the transfer already ended."""
-        with record.write_lock:
-            if record.terminal:
-                return None
-            staged = piece_view(view, spec, record.layout)
-            return digest_and_scatter(staged, self._cache, record.block_ids, spec, record.layout)
+        self._landing.receive(record, spec, tag)
 
     def _maybe_ready(self, record: InboundTransfer) -> None:
         if not record.terminal and record.completion() is not None:

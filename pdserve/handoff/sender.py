@@ -57,6 +57,7 @@ class HandoffSender:
 
     def __init__(self, transport: HandoffTransport, *, device: torch.device | str = "cpu",
                  faults: SenderFaults | None = None) -> None:
+        """``device``: where the KV cache lives (staging buffers are allocated there)."""
         self._transport = transport
         self._config = transport.config
         self._faults = faults or SenderFaults()
@@ -90,6 +91,9 @@ class HandoffSender:
                    transfers: Sequence[OutboundTransfer]) -> None:
         """Compute thread, right after layer ``layer`` (local index) was written: gather that
         layer's blocks for every transfer in ``transfers`` and hand them to the transport."""
+        if cache.device != self._pool.device:
+            raise ValueError(f"cache on {cache.device}, sender staging on {self._pool.device}: "
+                             f"construct HandoffSender(transport, device=cache.device)")
         views: dict[KVLayout, np.ndarray] = {}  # host caches: one numpy view per layout
         for transfer in transfers:
             src_rows = None

@@ -38,6 +38,8 @@ class StagingPool:
             raise ValueError(f"staging capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" means this one
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._lock = threading.Lock()
         self._free: dict[int, list[torch.Tensor]] = {}
         self._in_use: dict[int, tuple[int, torch.Tensor]] = {}  # id -> (class size, buffer)

@@ -1,0 +1,130 @@
+"""Receiver-side piece I/O: stage an accepted piece, receive it, verify it and scatter it into
+its reserved blocks; or drain it into a 1-byte sink when its transfer is gone. Loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import torch
+
+from pdserve.handoff.admission import StagingAdmission
+from pdserve.handoff.errors import (
+    HandoffCapacityError,
+    HandoffDigestError,
+    HandoffError,
+    HandoffPeerGoneError,
+)
+from pdserve.handoff.faults import ReceiverFaults
+from pdserve.handoff.inbound import InboundTransfer
+from pdserve.handoff.kvcopy import PieceSpec, digest_and_scatter, piece_view
+from pdserve.handoff.staging import StagingPool
+from pdserve.handoff.transport import HandoffTransport
+
+log = logging.getLogger(__name__)
+FailFn = Callable[[InboundTransfer, HandoffError], None]
+
+
+class PieceLanding:
+    """Tracks every piece task by transfer id so a failed transfer's leftovers can be reaped.
+
+    Writes into the cache happen only in `_land`, on the payload thread, under the
+    transfer's ``write_lock`` and only while the transfer is live: once a transfer ended,
+    its late pieces are received into staging (or drained) and dropped.
+    """
+
+    def __init__(self, transport: HandoffTransport, cache: torch.Tensor, pool: StagingPool,
+                 faults: ReceiverFaults, fail: FailFn,
+                 landed: Callable[[InboundTransfer], None]) -> None:
+        self._transport, self._cache, self._pool = transport, cache, pool
+        self._admission = StagingAdmission(pool)
+        self._faults, self._fail, self._landed = faults, fail, landed
+        self._tasks: dict[int, set[asyncio.Task[None]]] = {}
+        self.num_drained = 0
+
+    def receive(self, record: InboundTransfer, spec: PieceSpec, tag: int) -> None:
+        self._track(record.transfer_id, self._receive(record, spec, tag))
+
+    def drain(self, transfer_id: int, tag: int) -> None:
+        self._track(transfer_id, self._drain(tag))
+
+    def transfer_ended(self, record: InboundTransfer) -> None:
+        """Hand queued staging to others; give a live sender time to send what it announced
+        (drained on arrival), then stop waiting on a dead one."""
+        self._admission.pump()
+        if record.error is not None and self._tasks.get(record.transfer_id):
+            self._transport.loop.call_later(self._transport.config.peer_timeout_s, self._reap,
+                                            record.transfer_id)
+
+    def _reap(self, transfer_id: int) -> None:
+        for task in list(self._tasks.get(transfer_id, ())):
+            task.cancel()
+
+    def _track(self, transfer_id: int, coro: Coroutine[Any, Any, None]) -> None:
+        task = self._transport.spawn(coro)
+        bucket = self._tasks.setdefault(transfer_id, set())
+        bucket.add(task)
+
+        def done(finished: asyncio.Task[None]) -> None:
+            bucket.discard(finished)
+            if not bucket and self._tasks.get(transfer_id) is bucket:
+                del self._tasks[transfer_id]
+        task.add_done_callback(done)
+
+    async def _drain(self, tag: int) -> None:
+        timeout = self._transport.config.default_timeout_s
+        await asyncio.wait_for(self._transport.drain(tag), timeout)
+        self.num_drained += 1
+
+    async def _receive(self, record: InboundTransfer, spec: PieceSpec, tag: int) -> None:
+        nbytes = spec.nbytes(record.layout)
+        if not self._pool.fits_ever(nbytes):
+            self._fail(record, HandoffCapacityError(f"piece of {nbytes} bytes exceeds staging"))
+            return await self._drain(tag)
+        buffer = await self._admission.acquire(nbytes, lambda: record.terminal)
+        if buffer is None:
+            return await self._drain(tag)
+        view = buffer[:nbytes]
+        try:
+            if self._faults.recv_delay_s:
+                await asyncio.sleep(self._faults.recv_delay_s)
+            await self._transport.recv_payload(view, tag)
+        except asyncio.CancelledError:
+            self._pool.quarantine(buffer)  # UCX may still write into it
+            raise
+        except Exception as exc:  # noqa: BLE001 - any UCX failure ends this transfer only
+            self._admission.release(buffer)
+            return self._fail(record, HandoffPeerGoneError(f"piece {spec.index} failed: {exc}"))
+        # The payload thread keeps using the buffer even if this task is cancelled: release it
+        # only when that work is over.
+        job = asyncio.ensure_future(self._transport.run_payload(self._land, record, spec, view))
+        job.add_done_callback(lambda _: self._admission.release(buffer))
+        try:
+            actual = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("landing piece %d of %r failed", spec.index, record.request_id)
+            return self._fail(record, HandoffError(f"landing piece {spec.index} failed: {exc}"))
+        if actual is None:
+            self.num_drained += 1
+        elif actual != record.piece_digest(spec.index):
+            self._fail(record, HandoffDigestError(
+                f"piece {spec.index} (layers {spec.layer_start}-{spec.layer_end - 1}) of "
+                f"{record.request_id!r} hashes to {actual:#x}, its header said "
+                f"{record.piece_digest(spec.index):#x}"))
+        else:
+            record.mark_landed(spec.index)
+            self._landed(record)
+        return None
+
+    def _land(self, record: InboundTransfer, spec: PieceSpec, view: torch.Tensor) -> int | None:
+        """Payload thread: scatter under the write lock, unless the transfer already ended."""
+        with record.write_lock:
+            if record.terminal:
+                return None
+            staged = piece_view(view, spec, record.layout)
+            return digest_and_scatter(staged, self._cache, record.block_ids, spec, record.layout)
