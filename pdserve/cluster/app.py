@@ -15,6 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from pdserve.cluster.config import PdserveConfig, load_config, parse_config
 from pdserve.cluster.model_source import resolve_model_path
+from pdserve.cluster.serve_config import role_autoscaling
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine.model_config import ModelConfig
 from pdserve.handoff.config import MIB, HandoffConfig
@@ -62,8 +63,9 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
     router = _request_router(cfg, role)
     if router is not None:
         options["request_router_config"] = router
-    if role_cfg.autoscaling is not None:
-        options["autoscaling_config"] = role_cfg.autoscaling.to_serve(plan.replicas)
+    autoscaling = role_autoscaling(cfg, role)
+    if autoscaling is not None:
+        options["autoscaling_config"] = autoscaling
     else:
         options["num_replicas"] = plan.replicas
     return options
@@ -106,7 +108,11 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
 
 
 def build(args: dict[str, Any] | None = None) -> Application:
-    """Serve's application builder: ``args`` is a config mapping, or {"config": PATH}."""
+    """Serve's application builder: ``args`` is a config mapping, or {"config": PATH}.
+
+    ``serve run pdserve.cluster.app:build config=PATH`` and a Serve config file's ``args``
+    both arrive here as one dict; no args means the embedded default config.
+    """
     args = dict(args or {})
     if set(args) <= {"config"}:
         return build_from_config(load_config(args.get("config")))

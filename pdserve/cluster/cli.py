@@ -1,4 +1,4 @@
-"""The `pdserve` command line: make-model, generate, serve.
+"""The `pdserve` command line: make-model, generate, serve, serve-config.
 
 Each subcommand is a thin shell over a function that tests can call directly.
 """
@@ -40,6 +40,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "cluster on this machine (after `ray up` or `ray start`), or host:port")
 
 
+def _add_serve_config(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve-config", help="print a Serve config file (serve run/deploy) for a "
+                       "pdserve config")
+    p.add_argument("config", type=Path, help="pdserve YAML config")
+    p.add_argument("--inline", action="store_true", help="embed the config in the Serve file "
+                   "instead of naming its absolute path (which must exist on the head node)")
+    p.add_argument("--name", default="pdserve", help="Serve application name")
+    p.add_argument("--proxy-location", default="EveryNode",
+                   choices=["EveryNode", "HeadOnly", "Disabled"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -47,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_model(sub)
     _add_generate(sub)
     _add_serve(sub)
+    _add_serve_config(sub)
     return parser
 
 
@@ -83,11 +95,27 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(args.config, args.address)
 
 
+def run_serve_config(args: argparse.Namespace) -> int:
+    import yaml
+
+    from pdserve.cluster.config import parse_config, read_config_data
+    from pdserve.cluster.serve_config import serve_deploy_config
+
+    data, source = read_config_data(args.config)
+    cfg = parse_config(data, source)  # refuse a bad config here, not in the cluster
+    app_args = data if args.inline else {"config": str(args.config.resolve())}
+    serve_file = serve_deploy_config(app_args, cfg, args.name, args.proxy_location)
+    print(f"# Serve config for {args.config}; run: serve deploy FILE (or serve run FILE)")
+    print(yaml.safe_dump(serve_file, sort_keys=False), end="")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handlers = {"make-model": run_make_model, "generate": run_generate, "serve": run_serve}
+    handlers = {"make-model": run_make_model, "generate": run_generate, "serve": run_serve,
+                "serve-config": run_serve_config}
     return handlers[args.command](args)
 
 

@@ -256,6 +256,12 @@ def parse_config(data: Any, source: str = "config") -> PdserveConfig:
 
 def load_config(path: str | os.PathLike[str] | None = None) -> PdserveConfig:
     """Read and validate a YAML config; None reads the default (see `default_config_path`)."""
+    data, source = read_config_data(path)
+    return parse_config(data, source)
+
+
+def read_config_data(path: str | os.PathLike[str] | None = None) -> tuple[Any, str]:
+    """The parsed YAML of a config file, not yet validated, and its source for messages."""
     config_path = Path(path) if path is not None else default_config_path()
     source = f"config {config_path}"
     try:
@@ -274,4 +280,4 @@ def load_config(path: str | os.PathLike[str] | None = None) -> PdserveConfig:
                            f"{getattr(exc, 'problem', exc)}"], source) from None
     if data is None:
         raise ConfigError(["(top level): the file is empty; at least `model:` is required"], source)
-    return parse_config(data, source)
+    return data, source

@@ -101,6 +101,12 @@ class Autoscaling(Section):
     max_replicas: int = Field(ge=1, description="Most replicas the role scales up to.")
     target_ongoing_requests: float = Field(
         2.0, gt=0, description="Ray Serve autoscaling target of in-flight requests per replica.")
+    upscale_delay_s: float = Field(
+        30.0, ge=0, description="How long load must ask for more replicas before they start.")
+    downscale_delay_s: float = Field(
+        600.0, ge=0, description="How long load must allow fewer replicas before some stop.")
+    look_back_period_s: float = Field(
+        30.0, gt=0, description="Window over which Serve averages the in-flight requests.")
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
@@ -113,7 +119,10 @@ class Autoscaling(Section):
         """Ray Serve's ``autoscaling_config`` for a deployment starting at ``initial_replicas``."""
         return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
                 "initial_replicas": initial_replicas,
-                "target_ongoing_requests": self.target_ongoing_requests}
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s,
+                "downscale_delay_s": self.downscale_delay_s,
+                "look_back_period_s": self.look_back_period_s}
 
 
 class Role(Section):

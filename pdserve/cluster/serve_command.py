@@ -7,24 +7,41 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 from pdserve.cluster.app import build_from_config
-from pdserve.cluster.config import PdserveConfig, load_config
+from pdserve.cluster.config import PdserveConfig, parse_config, read_config_data
+from pdserve.cluster.serve_config import (
+    APP_NAME,
+    band_applies,
+    deploy_serve_config,
+    serve_deploy_config,
+)
 
 logger = logging.getLogger(__name__)
 
-APP_NAME = "pdserve"
 
+def start(cfg: PdserveConfig, address: str | None = None,
+          data: Mapping[str, Any] | None = None) -> str:
+    """Start Ray (or join `address`) and the application; return its base URL.
 
-def start(cfg: PdserveConfig, address: str = "local") -> str:
-    """Start Ray (or join `address`) and the application; return its base URL."""
+    With a ratio band the app goes through a Serve config file built from ``data`` (the raw
+    config mapping), the only way Serve takes the band's application autoscaling policy.
+    """
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
-    serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
-    serve.run(build_from_config(cfg), name=APP_NAME, route_prefix="/")
+    if band_applies(cfg):
+        if data is None:
+            raise ValueError("a config with router.ratio_band needs its raw mapping (data=...)")
+        print(cfg.replica_plan().summary())
+        deploy_serve_config(serve_deploy_config(data, cfg, APP_NAME))
+    else:
+        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        serve.run(build_from_config(cfg), name=APP_NAME, route_prefix="/")
     return f"http://{cfg.http.host}:{cfg.http.port}"
 
 
