@@ -18,12 +18,12 @@ Every number is the median over ``--reps`` runs after one warm-up, on one machin
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing
 import os
 import random
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +33,7 @@ import numpy as np
 
 MIB = 1 << 20
 NUM_LAYERS = 32
+Rates = dict[int, tuple[float, float]]  # size in MiB -> (GB/s, ms)
 BENCH_CONFIG: dict[str, Any] = {
     "auth_token": "bench-secret", "receiver_staging_bytes": 512 * MIB,
     "sender_staging_bytes": 512 * MIB, "max_piece_bytes": 16 * MIB, "min_piece_bytes": 4 * MIB,
@@ -79,7 +80,7 @@ def handoff_worker(conn: Any, role: str, num_cache_blocks: int) -> None:
             request_id, block_ids = args
             ticket = receiver.reserve(request_id, block_ids, layout, len(block_ids) * 16)
             future = receiver.ready_future(request_id)
-            future.add_done_callback(lambda _, r=request_id: stamps.__setitem__(r, time.monotonic()))
+            future.add_done_callback(_stamper(stamps, request_id))
             conn.send(ticket.to_dict())
         elif op == "wait" and receiver is not None:
             info = receiver.wait_ready(args, timeout=60)
@@ -93,6 +94,13 @@ def handoff_worker(conn: Any, role: str, num_cache_blocks: int) -> None:
             sender.send_fence(transfer, 1)
             result = transfer.released.result(60)
             conn.send((started, result.ok, str(result.error)))
+
+
+def _stamper(stamps: dict[str, float], key: str) -> Callable[[object], None]:
+    """Records when the ready future resolved, on the thread that resolved it."""
+    def stamp(_: object) -> None:
+        stamps[key] = time.monotonic()
+    return stamp
 
 
 def tcp_receiver(conn: Any, max_bytes: int) -> None:
@@ -131,7 +139,7 @@ def median_rate(nbytes: int, timings: list[float]) -> tuple[float, float]:
     return nbytes / seconds / 1e9, seconds * 1e3
 
 
-def measure_memcpy(sizes: list[int], reps: int) -> dict[int, tuple[float, float]]:
+def measure_memcpy(sizes: list[int], reps: int) -> Rates:
     results = {}
     for size in sizes:
         src = np.random.randint(0, 255, size * MIB, dtype=np.uint8)
@@ -147,7 +155,7 @@ def measure_memcpy(sizes: list[int], reps: int) -> dict[int, tuple[float, float]
     return results
 
 
-def measure_handoff(sizes: list[int], reps: int, contiguous: bool) -> dict[int, tuple[float, float]]:
+def measure_handoff(sizes: list[int], reps: int, contiguous: bool) -> Rates:
     ctx = multiprocessing.get_context("spawn")
     num_cache_blocks = max(sizes) + 8
     pipes, processes = [], []
@@ -196,7 +204,7 @@ def measure_handoff(sizes: list[int], reps: int, contiguous: bool) -> dict[int, 
                 process.kill()
 
 
-def measure_tcp(sizes: list[int], reps: int) -> dict[int, tuple[float, float]]:
+def measure_tcp(sizes: list[int], reps: int) -> Rates:
     ctx = multiprocessing.get_context("spawn")
     max_bytes = max(sizes) * MIB
     rx_parent, rx_child = ctx.Pipe()
@@ -225,7 +233,7 @@ def measure_tcp(sizes: list[int], reps: int) -> dict[int, tuple[float, float]]:
     return results
 
 
-def measure_ray(sizes: list[int], reps: int) -> dict[int, tuple[float, float]]:
+def measure_ray(sizes: list[int], reps: int) -> Rates:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -237,7 +245,7 @@ def measure_ray(sizes: list[int], reps: int) -> dict[int, tuple[float, float]]:
     cluster.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=store)
     results = {}
     try:
-        ray.init(address=cluster.address, logging_level="ERROR")
+        ray.init(address=cluster.address, logging_level=logging.ERROR)
 
         @ray.remote(num_cpus=0, resources={"node_a": 0.5})
         class Producer:
@@ -256,7 +264,8 @@ def measure_ray(sizes: list[int], reps: int) -> dict[int, tuple[float, float]]:
                 assert value.nbytes > 0
                 return elapsed, ray.get_runtime_context().get_node_id()
 
-        producer, consumer = Producer.remote(), Consumer.remote()
+        producer = Producer.remote()  # type: ignore[attr-defined]
+        consumer = Consumer.remote()  # type: ignore[attr-defined]
         for size in sizes:
             timings = []
             for rep in range(reps + 1):
@@ -278,7 +287,7 @@ def report(name: str, size: int, rate: tuple[float, float]) -> None:
     print(f"  {name:>22s} {size:4d} MiB: {rate[0]:6.2f} GB/s  {rate[1]:8.2f} ms", flush=True)
 
 
-def table(sizes: list[int], columns: dict[str, dict[int, tuple[float, float]]]) -> str:
+def table(sizes: list[int], columns: dict[str, Rates]) -> str:
     memcpy = columns["memcpy"]
     names = list(columns)
     lines = ["| size | " + " | ".join(f"{n} GB/s (ms, x memcpy)" for n in names) + " |",
@@ -301,7 +310,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"KV-shaped payloads: {NUM_LAYERS} layers x N blocks of 32 KiB per layer (fp16); "
           f"{os.cpu_count()} CPUs; median of {args.reps} runs", flush=True)
-    steps: list[tuple[str, Callable[[], dict[int, tuple[float, float]]]]] = [
+    steps: list[tuple[str, Callable[[], Rates]]] = [
         ("memcpy", lambda: measure_memcpy(sizes, args.reps)),
         ("handoff scattered", lambda: measure_handoff(sizes, args.reps, contiguous=False)),
         ("handoff runs", lambda: measure_handoff(sizes, args.reps, contiguous=True)),
@@ -318,8 +327,8 @@ def main(argv: list[str] | None = None) -> None:
     if "ray" in columns:
         ratios = [columns["handoff scattered"][s][0] / columns["ray"][s][0] for s in sizes]
         print("\nhandoff (scattered) / ray object store: "
-              + ", ".join(f"{s} MiB {r:.1f}x" for s, r in zip(sizes, ratios)))
+              + ", ".join(f"{s} MiB {r:.1f}x" for s, r in zip(sizes, ratios, strict=True)))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -14,13 +14,15 @@ import torch
 
 from pdserve.handoff.staging import StagingPool
 
+_Waiter = tuple[int, Callable[[], bool], "asyncio.Future[torch.Tensor | None]"]
+
 
 class StagingAdmission:
     """Grants staging buffers in arrival order; a waiter whose transfer ended gets None."""
 
     def __init__(self, pool: StagingPool) -> None:
         self._pool = pool
-        self._waiting: deque[tuple[int, Callable[[], bool], asyncio.Future[torch.Tensor | None]]] = deque()
+        self._waiting: deque[_Waiter] = deque()
 
     def __len__(self) -> int:
         return len(self._waiting)

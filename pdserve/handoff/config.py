@@ -67,7 +67,8 @@ class HandoffConfig:
         for name in ("default_timeout_s", "heartbeat_interval_s", "peer_timeout_s",
                      "handshake_timeout_s", "finished_ttl_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"HandoffConfig.{name} must be positive, got {getattr(self, name)}")
+                raise ValueError(
+                    f"HandoffConfig.{name} must be positive, got {getattr(self, name)}")
         if self.send_grace_s < 0:
             raise ValueError(f"HandoffConfig.send_grace_s must be >= 0, got {self.send_grace_s}")
         if self.peer_timeout_s <= self.heartbeat_interval_s:
@@ -138,4 +139,5 @@ def _parse(name: str, kind: type, raw: str) -> Any:
     try:
         return kind(raw)
     except ValueError as exc:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc
+        raise ValueError(
+            f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind.__name__}") from exc

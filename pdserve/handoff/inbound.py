@@ -105,7 +105,8 @@ class InboundTransfer:
         except LayoutMismatchError as exc:
             raise HandoffLayoutError(f"refused transfer {self.transfer_id}: {exc}") from exc
         except (TypeError, ValueError) as exc:
-            raise HandoffLayoutError(f"refused transfer {self.transfer_id}: bad layout: {exc}") from exc
+            raise HandoffLayoutError(
+                f"refused transfer {self.transfer_id}: bad layout: {exc}") from exc
         if body["num_blocks"] != self.num_blocks:
             raise HandoffProtocolError(
                 f"sender has {body['num_blocks']} blocks, {self.num_blocks} were reserved")
@@ -125,8 +126,9 @@ class InboundTransfer:
             raise HandoffProtocolError(
                 f"piece {index} claims {nbytes} bytes; only {remaining} of the "
                 f"{self.expected_bytes} reserved bytes remain (piece bound {self.max_piece_bytes})")
-        spec = PieceSpec(index, *self._bounds(body["layers"], self.layout.num_local_layers, "layers"),
-                         *self._bounds(body["blocks"], self.num_blocks, "blocks"))
+        layers = self._bounds(body["layers"], self.layout.num_local_layers, "layers")
+        blocks = self._bounds(body["blocks"], self.num_blocks, "blocks")
+        spec = PieceSpec(index, *layers, *blocks)
         if spec.nbytes(self.layout) != nbytes:
             raise HandoffProtocolError(
                 f"piece {index} claims {nbytes} bytes, its bounds hold {spec.nbytes(self.layout)}")
@@ -144,10 +146,12 @@ class InboundTransfer:
             raise HandoffProtocolError("second fence")
         problems = []
         if body["num_pieces"] != len(self._pieces):
-            problems.append(f"fence counts {body['num_pieces']} pieces, {len(self._pieces)} announced")
+            problems.append(
+                f"fence counts {body['num_pieces']} pieces, {len(self._pieces)} announced")
         if body["nbytes"] != self._announced_bytes or body["nbytes"] != self.expected_bytes:
-            problems.append(f"fence counts {body['nbytes']} bytes, {self._announced_bytes} announced, "
-                            f"{self.expected_bytes} reserved")
+            problems.append(
+                f"fence counts {body['nbytes']} bytes, {self._announced_bytes} announced, "
+                f"{self.expected_bytes} reserved")
         if not self._coverage.all():
             problems.append(f"{int((~self._coverage).sum())} (layer, block) slots never announced")
         if body["num_tokens"] != self.num_tokens:
@@ -183,7 +187,7 @@ class InboundTransfer:
         if error is None:
             info = self.completion()
             if info is None:
-                raise RuntimeError("finish() called before the fence verified and all pieces landed")
+                raise RuntimeError("finish() before the fence verified and all pieces landed")
             self.state, self.fence_info = InboundState.READY, info
             self.result.set_result(info)
         else:

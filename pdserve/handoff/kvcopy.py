@@ -110,7 +110,8 @@ def gather_piece(
     chosen = layers if layers is not None else range(spec.layer_start, spec.layer_end)
     if cache.is_cuda:
         for layer in chosen:
-            torch.index_select(layer_rows(cache, layer, layout), 1, ids, out=out[layer - spec.layer_start])
+            target = out[layer - spec.layer_start]
+            torch.index_select(layer_rows(cache, layer, layout), 1, ids, out=target)
         return
     src, dst, ids_list = cache_rows(cache, layout), byte_rows(out), ids.tolist()
     for layer in chosen:

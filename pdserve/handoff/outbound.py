@@ -49,7 +49,8 @@ class OutboundTransfer:
     the transfer, or a local error ended it. Until then the prefill worker must keep the
     source blocks; after it, UCX touches none of this transfer's memory again.
     ``SendResult.error`` is None exactly when the receiver confirmed the KV ready. Callbacks
-    added with `add_done_callback` run on the handoff thread: keep them short.
+    added with `add_done_callback` run on the handoff thread: keep them short. From asyncio:
+    ``await asyncio.wrap_future(transfer.released)``.
     """
 
     ticket: HandoffTicket
@@ -58,7 +59,8 @@ class OutboundTransfer:
     plan: list[PieceSpec]
     pool: StagingPool
     deadline: float  # time.monotonic()
-    released: concurrent.futures.Future[SendResult] = field(default_factory=concurrent.futures.Future)
+    released: concurrent.futures.Future[SendResult] = field(
+        default_factory=concurrent.futures.Future)
     # compute-thread state, under _lock
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _error: HandoffError | None = None

@@ -51,7 +51,8 @@ class PeerLink:
             await self._send_raw(encode(Kind.HELLO, self.session_id, hello, None))
             await asyncio.wait_for(asyncio.shield(self.ready), timeout)
         except TimeoutError:
-            self.fail(HandoffPeerGoneError(f"receiver did not answer the handshake within {timeout}s"))
+            self.fail(HandoffPeerGoneError(
+                f"receiver did not answer the handshake within {timeout}s"))
         except HandoffError as exc:
             self.fail(exc)
         except Exception as exc:  # noqa: BLE001 - UCX could not reach the address
@@ -114,7 +115,8 @@ class PeerLink:
             return
         self.dead = error
         level = logging.INFO if isinstance(error, HandoffCancelledError) else logging.WARNING
-        log.log(level, "handoff link to %s (session %x) down: %s", self.host, self.session_id, error)
+        log.log(level, "handoff link to %s (session %x) down: %s", self.host, self.session_id,
+                error)
         if not self.ready.done():
             self.ready.set_exception(error)
             self.ready.exception()  # retrieved: transfers may not be waiting yet

@@ -205,8 +205,8 @@ class HandoffReceiver:
                      session: SenderSession | None) -> None:
         target = session or self._sessions.get(record.session_id)
         if target is not None and target.key is not None:
-            self._sessions.send(target, Kind.ABORT_TO_SENDER,
-                                {"tid": record.transfer_id, "code": error.code, "message": str(error)})
+            body = {"tid": record.transfer_id, "code": error.code, "message": str(error)}
+            self._sessions.send(target, Kind.ABORT_TO_SENDER, body)
 
     def _after_finish(self, record: InboundTransfer) -> None:
         self._landing.transfer_ended(record)
@@ -274,7 +274,8 @@ class HandoffReceiver:
         index = frame.body["index"]
         if not 0 <= index < MAX_PIECES:
             if record is not None:
-                self._fail(record, HandoffProtocolError(f"piece index {index} out of range"), session)
+                error = HandoffProtocolError(f"piece index {index} out of range")
+                self._fail(record, error, session)
             return
         tid = frame.body["tid"]
         tag = data_tag(tid, index)

@@ -107,14 +107,16 @@ class HandoffSender:
     def send_all_layers(self, cache: torch.Tensor, transfers: Sequence[OutboundTransfer]) -> None:
         """Every layer at once (the KV already exists, e.g. a full prefix-cache hit)."""
         for layer in range(max((t.layout.num_local_layers for t in transfers), default=0)):
-            self.send_layer(cache, layer, [t for t in transfers if layer < t.layout.num_local_layers])
+            live = [t for t in transfers if layer < t.layout.num_local_layers]
+            self.send_layer(cache, layer, live)
 
     def send_fence(self, transfer: OutboundTransfer, first_token_id: int) -> None:
         """After every layer was sent: announce completion with the first sampled token."""
         transfer.request_fence()
         self._transport.call_soon(self._enqueue, transfer, FenceRequest(first_token_id))
 
-    def cancel(self, transfer: OutboundTransfer, reason: str = "cancelled by the prefill worker") -> None:
+    def cancel(self, transfer: OutboundTransfer,
+               reason: str = "cancelled by the prefill worker") -> None:
         """Give up the push; ``released`` still resolves only after in-flight sends ended."""
         self._transport.call_soon(self._abort, transfer, HandoffCancelledError(reason))
 
@@ -159,7 +161,8 @@ class HandoffSender:
             ticket = transfer.ticket
             link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
                                    "request_id": ticket.request_id,
-                                   "layout": transfer.layout.to_dict(), "num_blocks": ticket.num_blocks})
+                                   "layout": transfer.layout.to_dict(),
+                                   "num_blocks": ticket.num_blocks})
             transfer.begun = True
             records: list[tuple[PieceSpec, int, int]] = []
             while transfer.error is None:

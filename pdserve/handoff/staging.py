@@ -69,7 +69,8 @@ class StagingPool:
                 if self._in_use_bytes + size > self.capacity_bytes:
                     self._num_refused += 1
                     return None
-                self._evict_locked(self._in_use_bytes + self._cached_bytes + size - self.capacity_bytes)
+                total = self._in_use_bytes + self._cached_bytes + size
+                self._evict_locked(total - self.capacity_bytes)
                 buffer = None
             self._in_use_bytes += size
             self._peak = max(self._peak, self._in_use_bytes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import socket
@@ -60,7 +61,9 @@ async def _unpinned(operation: Awaitable[T]) -> T:
 
 
 class HandoffTransport:
-    """Owns the handoff thread. Start once per process (ucxx keeps one context per process).
+    """Owns the handoff thread. Start once per process (ucxx keeps one context per process),
+    never fork after `start` (UCX state is not fork-safe: use multiprocessing "spawn"), and
+    `stop` before exit (it stops ucxx's notifier thread, without which exit can hang).
 
     Thread-safety: `submit` and `call_soon` may be called from any thread; everything else
     documented as "loop only" must run on the handoff loop (inside handlers or submitted
@@ -138,10 +141,8 @@ class HandoffTransport:
             # A finished task keeps its exception, whose traceback keeps frames (and through
             # them ucxx's context) alive; fetching it once lets asyncio drop it.
             if task.done():
-                try:
+                with contextlib.suppress(BaseException):
                     task.result()
-                except BaseException:  # noqa: BLE001, S110 - fetched only to be dropped
-                    pass
         self._tasks.clear()
         del tasks
         for endpoint in self._endpoints:
@@ -179,9 +180,6 @@ class HandoffTransport:
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         self._loop.call_soon_threadsafe(fn, *args)
-
-    def in_loop(self) -> bool:
-        return threading.current_thread() is self._thread
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Loop only: run ``coro`` as a task that shutdown cancels and awaits."""
@@ -245,10 +243,8 @@ class HandoffTransport:
         import ucxx  # type: ignore[import-untyped]
 
         sink = np.empty(1, dtype=np.uint8)
-        try:
+        with contextlib.suppress(ucxx.exceptions.UCXMessageTruncatedError):
             await _unpinned(ucxx.recv(sink, tag=tag))
-        except ucxx.exceptions.UCXMessageTruncatedError:
-            pass
 
     async def _control_loop(self) -> None:
         """Keep `CONTROL_RING` receives posted for control frames and handle them in order.

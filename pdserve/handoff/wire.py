@@ -158,7 +158,8 @@ def _check_schema(kind: Kind, body: dict[str, Any]) -> None:
     missing = schema.keys() - body.keys()
     extra = body.keys() - schema.keys()
     if missing or extra:
-        raise WireError(f"{kind.name} fields: missing {sorted(missing)}, unexpected {sorted(extra)}")
+        raise WireError(
+            f"{kind.name} fields: missing {sorted(missing)}, unexpected {sorted(extra)}")
     for name, expected in schema.items():
         value = body[name]
         if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):

@@ -6,6 +6,7 @@ plain dicts, replies plain dicts or bytes: nothing of the handoff is mocked.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -64,7 +65,8 @@ class Agent:
         deadline = time.monotonic() + reply_timeout
         while not self._conn.poll(0.05):
             if not self.process.is_alive():
-                raise AgentError(f"agent {self.pid} died (exit {self.process.exitcode}) during {op}")
+                code = self.process.exitcode
+                raise AgentError(f"agent {self.pid} died (exit {code}) during {op}")
             if time.monotonic() > deadline:
                 raise AgentError(f"agent {self.pid} did not answer {op} within {reply_timeout}s")
         reply = self._conn.recv()
@@ -78,10 +80,8 @@ class Agent:
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.process.is_alive():
-            try:
+            with contextlib.suppress(AgentError, OSError, EOFError):
                 self.call("stop", reply_timeout=timeout)
-            except (AgentError, OSError, EOFError):
-                pass
             self.process.join(timeout)
         if self.process.is_alive():
             self.kill()

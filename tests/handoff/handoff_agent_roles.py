@@ -141,7 +141,8 @@ class Roles:
              first_token_id: int, layers_per_piece: int | None = None) -> dict[str, Any]:
         """start + every layer (all transfers per layer, like one batch) + fence."""
         assert self.layout is not None
-        handles = [self.start(t, ids, layers_per_piece) for t, ids in zip(tickets, block_ids)]
+        handles = [self.start(t, ids, layers_per_piece)
+                   for t, ids in zip(tickets, block_ids, strict=True)]
         started = self.send_layers(handles, list(range(self.layout.num_local_layers)))
         self.fence(handles, first_token_id)
         return {"handles": handles, "started_at": started}

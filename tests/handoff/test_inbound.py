@@ -64,7 +64,8 @@ def test_a_complete_transfer_becomes_ready_only_after_every_piece_landed() -> No
     info = record.completion()
     assert info is not None and info.first_token_id == 42 and info.num_pieces == 2
     assert record.finish(None, time.monotonic()) and record.state is InboundState.READY
-    assert not record.finish(HandoffCancelledError("late"), time.monotonic())  # first outcome stands
+    # The first outcome stands.
+    assert not record.finish(HandoffCancelledError("late"), time.monotonic())
     assert record.result.result(0) == info
 
 

@@ -31,7 +31,8 @@ def test_plan_groups_small_layers_and_splits_large_ones() -> None:
     grouped = plan_pieces(LAYOUT, 6, min_piece_bytes=2 * layer_bytes, max_piece_bytes=1 << 20)
     assert [(p.layer_start, p.layer_end) for p in grouped] == [(0, 2), (2, 4), (4, 5)]
     split = plan_pieces(LAYOUT, 6, 1, max_piece_bytes=4 * LAYOUT.block_bytes)
-    assert [(p.layer_start, p.block_start, p.block_end) for p in split[:2]] == [(0, 0, 4), (0, 4, 6)]
+    bounds = [(p.layer_start, p.block_start, p.block_end) for p in split[:2]]
+    assert bounds == [(0, 0, 4), (0, 4, 6)]
     assert len(split) == 10 and [p.index for p in split] == list(range(10))
     with pytest.raises(ValueError, match="exceeds"):
         plan_pieces(LAYOUT, 6, 1, LAYOUT.block_bytes - 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import pytest
 
 from pdserve.engine.kv_layout import KVLayout
@@ -59,7 +59,8 @@ def test_config_reads_the_environment_in_one_place() -> None:
     env = {"PDSERVE_HANDOFF_AUTH_TOKEN": "s3cret", "PDSERVE_HANDOFF_PEER_TIMEOUT_S": "2.5",
            "PDSERVE_HANDOFF_UCX_TLS": "tcp,self"}
     config = HandoffConfig.from_env(env, max_piece_bytes=4 << 20)
-    assert (config.auth_token, config.peer_timeout_s, config.max_piece_bytes) == ("s3cret", 2.5, 4 << 20)
+    assert config.auth_token == "s3cret" and config.peer_timeout_s == 2.5
+    assert config.max_piece_bytes == 4 << 20
     assert config.ucx_options()["TLS"] == "tcp,self"
     assert config.ucx_options()["RNDV_THRESH"] == "8192"
     with pytest.raises(ValueError, match="AUTH_TOKEN"):
@@ -88,7 +89,8 @@ def test_staging_pool_bounds_reuses_and_quarantines() -> None:
     pool.quarantine(b)  # UCX may still touch it: never handed out again
     stats = pool.stats()
     assert (stats.in_use_bytes, stats.num_quarantined, stats.num_refused) == (512 << 10, 1, 1)
-    assert all(pool.try_acquire(200_000).data_ptr() != b.data_ptr() for _ in range(2))
+    fresh = [pool.try_acquire(200_000) for _ in range(2)]
+    assert all(f is not None and f.data_ptr() != b.data_ptr() for f in fresh)
     pool.check_integrity()
     with pytest.raises(ValueError):
         pool.release(b)
@@ -99,6 +101,7 @@ def test_admission_is_first_come_first_served_and_skips_ended_transfers() -> Non
         pool = StagingPool(1 << 20)
         admission = StagingAdmission(pool)
         held = pool.try_acquire(1 << 20)
+        assert held is not None
         order: list[str] = []
         ended = {"b": False}
 
