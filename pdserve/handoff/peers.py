@@ -98,8 +98,10 @@ class PeerLink:
         await self._transport.send_frame(self.endpoint, frame)
 
     def ping_if_due(self, now: float) -> None:
-        """Heartbeat while transfers are active; declare the peer gone after peer_timeout_s."""
-        if self.dead is not None or not self.ready.done() or not self.transfers:
+        """Heartbeat, idle or not: the receiver forgets sessions that fall silent (its sender
+        may have died), and a pooled link must still work for the next transfer. Declares
+        the peer gone after peer_timeout_s without an answer."""
+        if self.dead is not None or not self.ready.done():
             return
         timeout = self._transport.config.peer_timeout_s
         if now - self.last_heard > timeout:

@@ -137,3 +137,16 @@ def test_cancel_during_transfer_stops_all_writes(pair) -> None:
     assert sent["code"] == "cancelled", sent  # the receiver's verdict reached the sender
     assert receiver.call("read", block_ids=dst) == after_cancel
     assert dst[0] not in receiver.call("receiver_stats")["writable_block_ids"]
+
+
+def test_an_idle_pooled_link_still_works_after_the_peer_timeout(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("idle")
+    layout = random_layout(rng, "float16", num_layers=2)
+    setup_roles(receiver, sender, layout, seed=23)
+    _round_trip(receiver, sender, layout, rng, "before-idle", 2, None)
+    time.sleep(2.5)  # longer than peer_timeout_s (1.5 s): heartbeats must keep the session
+    started = time.monotonic()
+    _round_trip(receiver, sender, layout, rng, "after-idle", 2, None)
+    assert time.monotonic() - started < 1.5
+    assert sender.call("sender_stats")["num_links"] == 1
