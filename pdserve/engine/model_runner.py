@@ -59,7 +59,7 @@ class ModelRunner:
         for chunk in output.chunks:
             request = chunk.request
             start, end = chunk.start_position, chunk.start_position + chunk.num_new_tokens
-            token_ids.extend(request.all_token_ids[start:end])
+            token_ids.extend(request.token_ids_slice(start, end))
             positions.extend(range(start, end))
             query_lens.append(chunk.num_new_tokens)
             seq_lens.append(end)

@@ -36,4 +36,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # In place on the fresh projection output: no [tokens, intermediate] temporaries
+        # (large CPU allocations page-fault on first touch). Inference only.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))

@@ -83,8 +83,9 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(
             self.input_layernorm(hidden), rope, layer_cache, backend, metadata, plan, layer_hook
         )
-        hidden = hidden + attn
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # Residual adds into the sublayers' fresh outputs (same sums, no new buffers).
+        hidden = attn.add_(hidden)
+        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
 
 
 class CausalLM(nn.Module):
