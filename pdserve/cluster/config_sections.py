@@ -107,6 +107,9 @@ class Autoscaling(Section):
         600.0, ge=0, description="How long load must allow fewer replicas before some stop.")
     look_back_period_s: float = Field(
         30.0, gt=0, description="Window over which Serve averages the in-flight requests.")
+    metrics_interval_s: float = Field(
+        10.0, gt=0, description="How often replicas and handles report in-flight requests to "
+        "Serve's autoscaler (Serve 2.60 marks the key deprecated, to become an env variable).")
 
     @model_validator(mode="after")
     def _bounds(self) -> Autoscaling:
@@ -122,7 +125,8 @@ class Autoscaling(Section):
                 "target_ongoing_requests": self.target_ongoing_requests,
                 "upscale_delay_s": self.upscale_delay_s,
                 "downscale_delay_s": self.downscale_delay_s,
-                "look_back_period_s": self.look_back_period_s}
+                "look_back_period_s": self.look_back_period_s,
+                "metrics_interval_s": self.metrics_interval_s}
 
 
 class Role(Section):

@@ -22,7 +22,7 @@ from pdserve.cluster.serve_config import (
 logger = logging.getLogger(__name__)
 
 
-def start(cfg: PdserveConfig, address: str | None = None,
+def start(cfg: PdserveConfig, address: str = "local",
           data: Mapping[str, Any] | None = None) -> str:
     """Start Ray (or join `address`) and the application; return its base URL.
 
@@ -46,8 +46,9 @@ def start(cfg: PdserveConfig, address: str | None = None,
 
 
 def serve(config_path: str | None, address: str = "local") -> int:
-    cfg = load_config(config_path)
-    url = start(cfg, address)
+    data, source = read_config_data(config_path)
+    cfg = parse_config(data, source)
+    url = start(cfg, address, data)
     print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)", flush=True)
     try:
         threading.Event().wait()
