@@ -38,6 +38,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default="local",
                    help="Ray to use: 'local' starts a private one (default), 'auto' joins the "
                         "cluster on this machine (after `ray up` or `ray start`), or host:port")
+    p.add_argument("--no-fit-check", dest="check_fit", action="store_false",
+                   help="start even when the cluster's resources cannot hold the start-up "
+                        "replicas yet (e.g. worker nodes still joining)")
 
 
 def _add_serve_config(sub: argparse._SubParsersAction) -> None:
@@ -92,7 +95,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from pdserve.cluster.serve_command import serve
 
-    return serve(args.config, args.address)
+    return serve(args.config, args.address, args.check_fit)
 
 
 def run_serve_config(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.cluster.app import build_from_config
+from pdserve.cluster.capacity import check_fits_cluster
 from pdserve.cluster.config import PdserveConfig, parse_config, read_config_data
 from pdserve.cluster.serve_config import (
     APP_NAME,
@@ -23,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def start(cfg: PdserveConfig, address: str = "local",
-          data: Mapping[str, Any] | None = None) -> str:
+          data: Mapping[str, Any] | None = None, check_fit: bool = True) -> str:
     """Start Ray (or join `address`) and the application; return its base URL.
 
     With a ratio band the app goes through a Serve config file built from ``data`` (the raw
@@ -34,6 +35,10 @@ def start(cfg: PdserveConfig, address: str = "local",
 
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    if check_fit:
+        # Refuse before anything starts; Serve would otherwise leave replicas pending forever.
+        check_fits_cluster(cfg.replica_plan(), ray.cluster_resources(),
+                           {"CPU": cfg.router.replicas * cfg.router.num_cpus})
     if band_applies(cfg):
         if data is None:
             raise ValueError("a config with router.ratio_band needs its raw mapping (data=...)")
@@ -45,10 +50,10 @@ def start(cfg: PdserveConfig, address: str = "local",
     return f"http://{cfg.http.host}:{cfg.http.port}"
 
 
-def serve(config_path: str | None, address: str = "local") -> int:
+def serve(config_path: str | None, address: str = "local", check_fit: bool = True) -> int:
     data, source = read_config_data(config_path)
     cfg = parse_config(data, source)
-    url = start(cfg, address, data)
+    url = start(cfg, address, data, check_fit)
     print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)", flush=True)
     try:
         threading.Event().wait()
