@@ -138,6 +138,8 @@ class HandoffSender:
         delay = max(0.0, transfer.deadline - time.monotonic()) + self._config.send_grace_s
         self._transport.loop.call_later(delay, self._expire, transfer)
         transfer.pump = self._transport.spawn(self._pump(transfer, link))
+        # A callback, not a finally: it also runs if the task is cancelled before it started.
+        transfer.pump.add_done_callback(lambda _: self._close_pump(transfer, link))
 
     def _link_for(self, ticket: HandoffTicket) -> PeerLink:
         link = self._links.get(ticket.receiver_address)
@@ -168,6 +170,8 @@ class HandoffSender:
             while transfer.error is None:
                 item = await transfer.queue.get()
                 if item is None or transfer.error is not None:
+                    if isinstance(item, ReadyPiece):
+                        self._pool.release(item.buffer)
                     break
                 if isinstance(item, FenceRequest):
                     link.send(Kind.FENCE, self._fence_body(transfer, item, records))
@@ -175,8 +179,6 @@ class HandoffSender:
                 records.append(await self._announce(transfer, link, item))
         except HandoffError as exc:
             transfer.fail(exc)
-        finally:
-            self._close_pump(transfer, link)
 
     async def _announce(self, transfer: OutboundTransfer, link: PeerLink,
                         piece: ReadyPiece) -> tuple[PieceSpec, int, int]:
@@ -199,28 +201,28 @@ class HandoffSender:
                                "layers": [spec.layer_start, spec.layer_end],
                                "blocks": [spec.block_start, spec.block_end],
                                "nbytes": claimed, "digest": piece_digest})
-        task = self._transport.spawn(self._send_data(transfer, link, piece, view))
+        # Every announced piece is sent, even after an abort: the receiver drains it.
+        tag = data_tag(transfer.transfer_id, spec.index)
+        task = self._transport.spawn(self._transport.send_payload(link.endpoint, view, tag))
         transfer.sends.add(task)
+        task.add_done_callback(lambda done: self._sent(transfer, piece, done))
         return spec, nbytes, piece_digest
 
-    async def _send_data(self, transfer: OutboundTransfer, link: PeerLink, piece: ReadyPiece,
-                         view: torch.Tensor) -> None:
-        """Every announced piece is sent, even after an abort: the receiver drains it."""
-        try:
-            await self._transport.send_payload(link.endpoint, view, data_tag(transfer.transfer_id,
-                                                                              piece.spec.index))
-            transfer.bytes_sent += view.numel()
+    def _sent(self, transfer: OutboundTransfer, piece: ReadyPiece,
+              task: asyncio.Task[None]) -> None:
+        """Bookkeeping of one payload send (a callback: runs even if cancelled unstarted)."""
+        transfer.sends.discard(task)
+        if task.cancelled():
+            self._pool.quarantine(piece.buffer)  # the peer may still read it: never reuse
+        elif task.exception() is not None:
+            self._pool.release(piece.buffer)
+            transfer.fail(HandoffPeerGoneError(
+                f"sending piece {piece.spec.index} failed: {task.exception()}"))
+        else:
+            transfer.bytes_sent += piece.spec.nbytes(transfer.layout)
             transfer.pieces_sent += 1
             self._pool.release(piece.buffer)
-        except asyncio.CancelledError:
-            self._pool.quarantine(piece.buffer)  # the peer may still read it
-            raise
-        except Exception as exc:  # noqa: BLE001 - any UCX failure ends this transfer only
-            self._pool.release(piece.buffer)
-            transfer.fail(HandoffPeerGoneError(f"sending piece {piece.spec.index} failed: {exc}"))
-        finally:
-            transfer.sends.discard(asyncio.current_task())
-            self._maybe_release(transfer)
+        self._maybe_release(transfer)
 
     def _fence_body(self, transfer: OutboundTransfer, fence: FenceRequest,
                     records: list[tuple[PieceSpec, int, int]]) -> dict[str, object]:
