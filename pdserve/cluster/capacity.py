@@ -37,12 +37,12 @@ class CapacityError(ValueError):
         super().__init__(message)
 
 
-def exact(value: float | int) -> Fraction:
+def exact(value: float) -> Fraction:
     """The decimal value as written (0.1 is 1/10, not the nearest binary double)."""
     return Fraction(str(value)) if isinstance(value, float) else Fraction(value)
 
 
-def format_amount(value: Fraction | float | int) -> str:
+def format_amount(value: Fraction | float) -> str:
     """``2`` for whole amounts, ``0.5`` otherwise: how people write resource amounts."""
     value = Fraction(value) if not isinstance(value, Fraction) else value
     return str(value.numerator) if value.denominator == 1 else f"{float(value):g}"

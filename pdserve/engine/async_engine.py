@@ -123,7 +123,7 @@ class AsyncEngine:
                 else:
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
-        except BaseException as exc:  # noqa: BLE001 - every stream must hear about it
+        except BaseException as exc:
             logger.exception("engine thread crashed")
             self._error = exc
             self._fail_everything(exc)

@@ -16,7 +16,7 @@ class KVBlock:
     cache map; ``prev``/``next`` are set iff the block is in the free queue.
     """
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "token_ids", "prev", "next")
+    __slots__ = ("block_hash", "block_id", "next", "prev", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

@@ -156,7 +156,7 @@ def test_clamp_to_band_never_leaves_the_band_or_bounds() -> None:
     band = RatioBand.from_ratios(parse_ratio("1:4"), parse_ratio("1:1"))
     for prefill in range(1, 6):
         for decode in range(1, 11):
-            for proposed in range(0, 14):
+            for proposed in range(14):
                 for role in ("prefill", "decode"):
                     got = clamp_to_band(role, proposed, prefill, decode, band,  # type: ignore[arg-type]
                                         1, 10)

@@ -27,11 +27,11 @@ PROMPTS = ["Tell me about the weather in spring and the birds that return. " * 2
 
 @pytest.fixture(scope="module")
 def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
+    from conftest import app_config
     from ray import serve
 
     from pdserve.cluster.app import build_application, handoff_config
     from pdserve.cluster.config import parse_config
-    from conftest import app_config
 
     cfg = parse_config(app_config(tiny_checkpoints["llama"], "disaggregated"), source="fallback")
     good = dataclasses.replace(handoff_config(cfg), default_timeout_s=3.0)

@@ -3,16 +3,14 @@ bad input, prefix reuse and metrics, for the disaggregated and the colocated app
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import httpx
 import openai
 import pytest
-import torch
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
@@ -227,15 +225,14 @@ def test_admission_limit_answers_429_with_retry_after(served_apps: ServedApps) -
             "ignore_eos": True, "messages": [{"role": "user", "content": "count slowly"}]}
 
     def one(_: int) -> tuple[int, str | None, int]:
-        with httpx.Client(timeout=120) as http:
-            with http.stream("POST", url, json=body) as r:
-                if r.status_code != 200:
-                    r.read()
-                    assert r.json()["error"]["message"]
-                    return r.status_code, r.headers.get("retry-after"), 0
-                data = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
-                finished = any('"finish_reason":"length"' in d.replace(" ", "") for d in data)
-                return 200, None, int(data[-1] == "[DONE]" and finished)
+        with httpx.Client(timeout=120) as http, http.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                assert r.json()["error"]["message"]
+                return r.status_code, r.headers.get("retry-after"), 0
+            data = [line[5:].strip() for line in r.iter_lines() if line.startswith("data:")]
+            finished = any('"finish_reason":"length"' in d.replace(" ", "") for d in data)
+            return 200, None, int(data[-1] == "[DONE]" and finished)
 
     with ThreadPoolExecutor(max_workers=10) as pool:
         results = list(pool.map(one, range(10)))

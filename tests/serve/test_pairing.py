@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 from pdserve.router.pairing import (
-    KVHeadroom, PrefixOwnerTable, prefix_hashes, rank_by_affinity, rank_by_headroom,
+    KVHeadroom,
+    PrefixOwnerTable,
+    prefix_hashes,
+    rank_by_affinity,
+    rank_by_headroom,
 )
 
 

@@ -16,9 +16,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def two_prefill_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
+    from conftest import app_config
     from ray import serve
 
-    from conftest import app_config
     from pdserve.cluster.app import build_from_config
     from pdserve.cluster.config import parse_config
 

@@ -31,7 +31,7 @@ def chat(**fields: Any) -> dict[str, Any]:
     return {"model": "m", "messages": USER, **fields}
 
 
-def errors_of(cls: type[ChatCompletionRequest] | type[CompletionRequest],
+def errors_of(cls: type[ChatCompletionRequest | CompletionRequest],
               body: dict[str, Any] | str) -> list[tuple[tuple[Any, ...], str]]:
     raw = body if isinstance(body, str) else json.dumps(body)
     with pytest.raises(ValidationError) as info:
