@@ -66,11 +66,13 @@ class DecodeWorker:
     async def _generate_from_received_kv(self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
         assert self.receiver is not None
         rid = request.request_id
-        block_ids = await self._reserve(request)
         stream = self.async_engine.open_stream(rid)
         finished = False
         start = time.monotonic()
         try:
+            # Inside the try: a caller that leaves while the reservation is being made must
+            # not strand the blocks (abort below frees whatever was reserved).
+            block_ids = await self._reserve(request)
             ticket = self.receiver.reserve(
                 rid, block_ids, self.engine.layout, len(request.prompt_token_ids))
             yield DecodeEvent(kind="ticket", ticket=ticket.to_dict())

@@ -56,10 +56,10 @@ class PrefillWorker:
         ticket = HandoffTicket.from_dict(request.ticket)
         self.engine.layout.check_matches(ticket.layout)
         arrived = time.monotonic()
-        await self.async_engine.call(lambda: self._tickets.__setitem__(rid, ticket))
         first: RequestOutput | None = None
         stream = self.async_engine.open_stream(rid)
         try:
+            await self.async_engine.call(lambda: self._tickets.__setitem__(rid, ticket))
             await self.async_engine.call(lambda: self.engine.add_request(
                 rid, request.prompt_token_ids, request.sampling_params, RequestMode.PREFILL_ONLY))
             async for out in self.async_engine.stream(rid, stream):
