@@ -46,6 +46,7 @@ class Measurement:
     records: dict[str, list[RequestRecord]]
     walls: dict[str, float]
     segments: list[dict[str, Any]]
+    per_round: list[dict[str, Any]]  # {"app", "round", "summary"} in the order they ran
     metrics_before: dict[str, dict[str, float]]
     metrics_after: dict[str, dict[str, float]]
 
@@ -103,6 +104,23 @@ def print_table(summaries: dict[str, dict[str, float]]) -> None:
         print(f"{label:<34}{d:>11.1f}{c:>11.1f}{ratio}")
 
 
+DRIFT_KEYS = (("short max stall p99", "short_stall_p99"), ("short TTFT p99", "short_ttft_p99"),
+              ("long TTFT p50", "long_ttft_p50"))
+
+
+def print_rounds(per_round: list[dict[str, Any]]) -> None:
+    """Key latencies round by round (ms, disagg/colo): how far the rounds drift apart."""
+    rounds = sorted({r["round"] for r in per_round})
+    if len(rounds) < 2:
+        return
+    by = {(r["app"], r["round"]): r["summary"] for r in per_round}
+    print("\nround by round (ms, disagg / colo):")
+    for index in rounds:
+        cells = [f"{label} {by['disagg', index][key] * 1e3:.0f} / "
+                 f"{by['colo', index][key] * 1e3:.0f}" for label, key in DRIFT_KEYS]
+        print(f"  round {index + 1}: " + "; ".join(cells))
+
+
 HANDOFF_STAGES = ("handoff_seconds", "handoff_exposed_seconds", "prefill_queue_seconds",
                   "prefill_compute_seconds", "handoff_bytes")
 
@@ -134,8 +152,10 @@ def print_handoff(figures: dict[str, dict[str, Any]]) -> None:
     moved, count = d["handoff_bytes"]["sum"], d["handoff_bytes"]["count"]
     print(f"  disagg pdserve:handoff_bytes: {moved / 2**20:.1f} MiB over {count:.0f} samples"
           + (" (never recorded: pdserve sets no handoff_bytes)" if not count else ""))
-    print("  (handoff_seconds is timed by decode from opening the ticket, so it includes the\n"
-          "   prefill queue and compute; handoff_exposed_seconds is what TTFT-to-token-2 pays)")
+    print("  (handoff_seconds is timed by decode from opening the ticket to activating the\n"
+          "   request, so it includes prefill queue + compute; handoff_exposed_seconds runs from\n"
+          "   prefill's"
+          " answer at the router to decode's activation: the part not hidden behind prefill)")
 
 
 def print_cpu(segments: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -192,6 +212,17 @@ notes (read the ratios with these in mind):
     carry more than one token when the server coalesces (tokens per SSE event).""")
 
 
+def _json_safe(value: Any) -> Any:
+    """NaN (an empty percentile) becomes null: strict JSON readers reject NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def save_results(args: argparse.Namespace, m: Measurement, summaries: dict[str, Any],
                  extra: dict[str, Any]) -> None:
     name = "serving_load_quick" if args.quick else "serving_load"
@@ -199,10 +230,11 @@ def save_results(args: argparse.Namespace, m: Measurement, summaries: dict[str, 
               for k in summaries["disagg"] if summaries["colo"][k]}
     per_request = {app: [{**{k: v for k, v in asdict(r).items() if k != "gaps_s"},
                           "max_stall_s": r.max_stall_s} for r in m.records[app]] for app in APPS}
-    json_path = save_json(name, {
+    json_path = save_json(name, _json_safe({
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "summaries": summaries, "ratios_disagg_over_colo": ratios, "replicas": m.replicas,
-        "cpu_segments": m.segments, "walls_s": m.walls, "requests": per_request, **extra})
+        "cpu_segments": m.segments, "walls_s": m.walls, "per_round": m.per_round,
+        "requests": per_request, **extra}))
     short = {app: [r for r in m.records[app] if r.kind == "short" and r.error is None]
              for app in APPS}
     ms = 1e3
@@ -230,6 +262,7 @@ def report(args: argparse.Namespace, m: Measurement, load_before: float) -> None
           f"{args.long_prompt_min}-{args.long_prompt_max} prompt tokens, "
           f"{args.long_output_tokens} output tokens; greedy, EOS ignored, all streamed")
     print_table(summaries)
+    print_rounds(m.per_round)
     errors = {app: sorted({r.error for r in m.records[app] if r.error}) for app in APPS}
     if any(errors.values()):
         print(f"errors by kind: {errors}")

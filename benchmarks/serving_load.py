@@ -31,7 +31,7 @@ from _common import (  # run as a script: python benchmarks/serving_load.py
     process_tree_cpu_seconds,
     read_sse_stream,
 )
-from _serving_report import APPS, Measurement, RequestRecord, report
+from _serving_report import APPS, Measurement, RequestRecord, report, summarize
 
 MODES = {"disagg": "disaggregated", "colo": "colocated"}
 NUM_SPECIAL_TOKENS = 3  # ids 0..2 are the generator's special tokens; random prompts avoid them
@@ -247,6 +247,7 @@ def measure(args: argparse.Namespace, base_url: str, model: str, vocab_size: int
     records: dict[str, list[RequestRecord]] = {app: [] for app in APPS}
     walls = dict.fromkeys(APPS, 0.0)
     segments = []
+    per_round: list[dict[str, Any]] = []
     for r in range(args.rounds):
         for app in APPS if r % 2 == 0 else APPS[::-1]:
             specs = make_schedule(args, r, model, vocab_size, messages)
@@ -259,8 +260,9 @@ def measure(args: argparse.Namespace, base_url: str, model: str, vocab_size: int
             segments.append(cpu_usage(app, r, wall, cpu_before, cpu_snapshot(), replicas))
             records[app] += recs
             walls[app] += wall
+            per_round.append({"app": app, "round": r, "summary": summarize(recs, wall)})
     after = {app: scrape_metrics(base_url, app) for app in APPS}
-    return Measurement(replicas, records, walls, segments, before, after)
+    return Measurement(replicas, records, walls, segments, per_round, before, after)
 
 
 def cpu_snapshot() -> dict[str, Any]:
