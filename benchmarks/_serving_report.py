@@ -153,9 +153,9 @@ def print_handoff(figures: dict[str, dict[str, Any]]) -> None:
     print(f"  disagg pdserve:handoff_bytes: {moved / 2**20:.1f} MiB over {count:.0f} samples"
           + (" (never recorded: pdserve sets no handoff_bytes)" if not count else ""))
     print("  (handoff_seconds is timed by decode from opening the ticket to activating the\n"
-          "   request, so it includes prefill queue + compute; handoff_exposed_seconds runs from\n"
-          "   prefill's"
-          " answer at the router to decode's activation: the part not hidden behind prefill)")
+          "   request, so it includes prefill queue + compute; handoff_exposed_seconds runs\n"
+          "   from prefill's answer at the router to decode's activation: the part of the\n"
+          "   handoff not hidden behind prefill compute)")
 
 
 def print_cpu(segments: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
