@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import random
+import shutil
 import socket
 import statistics
 import tempfile
@@ -279,6 +280,7 @@ def measure_ray(sizes: list[int], reps: int) -> Rates:
     finally:
         ray.shutdown()
         cluster.shutdown()  # stops exactly the raylets/GCS this cluster started
+        shutil.rmtree(temp_dir, ignore_errors=True)
     return results
 
 
