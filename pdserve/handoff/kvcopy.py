@@ -22,7 +22,6 @@ from pdserve.engine.kv_layout import KVLayout
 # pulled into cache (one DRAM pass instead of two on the receiver).
 CHUNK_BYTES = 1 << 20
 _PIECE_RECORD = struct.Struct("<7Q")
-_ROW_LOOP_MIN_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -113,9 +112,10 @@ def gather_piece(
             target = out[layer - spec.layer_start]
             torch.index_select(layer_rows(cache, layer, layout), 1, ids, out=target)
         return
-    src, dst, ids_list = cache_rows(cache, layout), byte_rows(out), ids.tolist()
+    src, dst = cache_rows(cache, layout), byte_rows(out)
+    ids_np = checked_ids(ids.numpy(), src.shape[2])
     for layer in chosen:
-        gather_rows(src[layer], ids_list, dst[layer - spec.layer_start], hasher)
+        gather_rows(src[layer], ids_np, dst[layer - spec.layer_start], hasher)
 
 
 def cache_rows(cache: torch.Tensor, layout: KVLayout) -> np.ndarray:
@@ -123,30 +123,33 @@ def cache_rows(cache: torch.Tensor, layout: KVLayout) -> np.ndarray:
     return byte_rows(cache.view(cache.shape[0], 2, cache.shape[2], layout.block_elements))
 
 
-def gather_rows(src: np.ndarray, ids: list[int], out: np.ndarray, hasher: Any = None) -> None:
+def checked_ids(ids: np.ndarray, num_cache_blocks: int) -> np.ndarray:
+    """``ids`` as int64, refusing any outside ``[0, num_cache_blocks)`` (`gather_rows` clips)."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= num_cache_blocks):
+        raise IndexError(f"source block ids must lie in [0, {num_cache_blocks}), got "
+                         f"{int(ids.min())}..{int(ids.max())}")
+    return ids
+
+
+def gather_rows(src: np.ndarray, ids: np.ndarray, out: np.ndarray, hasher: Any = None) -> None:
     """One layer: ``out[kv, i] = src[kv, ids[i]]`` for K and V, in 1 MiB chunks.
 
-    numpy copies rows at single-threaded memcpy speed without torch's intra-op threads (which
-    spin against the engine and the transport on small machines). A ``hasher`` (xxh3) is fed
-    each chunk right after it was written, while it is still in cache; callers gather layers
-    in order so the stream matches the piece's byte order.
+    ``ids`` must come from `checked_ids`: ``np.take(mode="clip")`` is the one numpy gather that
+    writes straight into ``out`` (mode "raise" buffers it: a second copy, 3x slower), and it
+    would clip a bad id silently. numpy copies at single-threaded memcpy speed without torch's
+    intra-op threads (which spin against the engine and the transport on small machines). A
+    ``hasher`` (xxh3) is fed each chunk right after it was written, while it is still in cache;
+    callers gather layers in order so the stream matches the piece's byte order.
     """
     step = max(1, CHUNK_BYTES // out.shape[-1])
     for kv in (0, 1):
         rows, target = src[kv], out[kv]
         for start in range(0, len(ids), step):
             chunk = target[start : start + step]
-            _take_rows(rows, ids[start : start + step], chunk)
+            np.take(rows, ids[start : start + step], axis=0, out=chunk, mode="clip")
             if hasher is not None:
                 hasher.update(chunk)
-
-
-def _take_rows(src: np.ndarray, ids: list[int], out: np.ndarray) -> None:
-    if src.shape[-1] >= _ROW_LOOP_MIN_BYTES:
-        for row, block in enumerate(ids):
-            out[row] = src[block]
-    else:  # tiny rows: one vectorised gather beats a Python loop
-        out[...] = src[ids]
 
 
 def digest(buffer: torch.Tensor) -> int:

@@ -19,7 +19,14 @@ import xxhash
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.errors import HandoffCapacityError, HandoffError, HandoffProtocolError
-from pdserve.handoff.kvcopy import PieceSpec, byte_rows, gather_piece, gather_rows, piece_view
+from pdserve.handoff.kvcopy import (
+    PieceSpec,
+    byte_rows,
+    checked_ids,
+    gather_piece,
+    gather_rows,
+    piece_view,
+)
 from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.ticket import HandoffTicket, SendResult
 
@@ -69,7 +76,7 @@ class OutboundTransfer:
     _gathered_layers: dict[int, int] = field(default_factory=dict)
     _hashers: dict[int, Any] = field(default_factory=dict)  # piece index -> xxh3 or None
     _out_rows: dict[int, np.ndarray] = field(default_factory=dict)  # host piece byte views
-    _ids_list: list[int] = field(default_factory=list)
+    _ids_np: np.ndarray | None = None  # host block ids, range-checked on first use
     _fence_requested: bool = False
     # loop-side state
     queue: Any = None  # asyncio.Queue of ReadyPiece | FenceRequest | None (wake-up)
@@ -82,9 +89,6 @@ class OutboundTransfer:
     sends: set[Any] = field(default_factory=set)
     bytes_sent: int = 0
     pieces_sent: int = 0
-
-    def __post_init__(self) -> None:
-        self._ids_list = self.block_ids.tolist()
 
     @property
     def request_id(self) -> str:
@@ -137,7 +141,8 @@ class OutboundTransfer:
                 hasher = self._hasher_for(spec, layer, done, buffer)
                 if src_rows is not None:  # host: precomputed views, no per-layer torch calls
                     out_rows = self._out_rows[spec.index][layer - spec.layer_start]
-                    gather_rows(src_rows[layer], self._ids_list[spec.block_start:spec.block_end],
+                    ids = self._host_ids(src_rows.shape[2])
+                    gather_rows(src_rows[layer], ids[spec.block_start:spec.block_end],
                                 out_rows, hasher)
                 else:
                     gather_piece(cache, self.block_ids, spec, self.layout,
@@ -150,6 +155,11 @@ class OutboundTransfer:
                     ready.append(ReadyPiece(spec, buffer, _record_event(buffer),
                                             None if hasher is None else hasher.intdigest()))
             return ready
+
+    def _host_ids(self, num_cache_blocks: int) -> np.ndarray:
+        if self._ids_np is None:
+            self._ids_np = checked_ids(self.block_ids.numpy(), num_cache_blocks)
+        return self._ids_np
 
     def _hasher_for(self, spec: PieceSpec, layer: int, done: int, buffer: torch.Tensor) -> Any:
         """Hash while gathering (host, layers in order); else None: hashed later off-thread."""

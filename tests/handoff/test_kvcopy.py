@@ -70,6 +70,17 @@ def test_layer_by_layer_gather_equals_whole_piece_gather() -> None:
     assert torch.equal(whole, parts)
 
 
+@pytest.mark.parametrize("bad", [-1, 9])
+def test_gather_refuses_source_ids_outside_the_cache(bad: int) -> None:
+    # the gather clips ids for speed, so a bad id must be refused before it copies anything
+    cache = torch.randn(LAYOUT.cache_shape(9)).to(LAYOUT.torch_dtype)
+    spec = PieceSpec(0, 0, 1, 0, 2)
+    buffer = torch.zeros(spec.nbytes(LAYOUT), dtype=torch.uint8)
+    with pytest.raises(IndexError, match=r"\[0, 9\)"):
+        gather_piece(cache, torch.tensor([3, bad]), spec, LAYOUT, piece_view(buffer, spec, LAYOUT))
+    assert not buffer.any()
+
+
 def test_digest_is_xxh3_of_the_bytes_and_the_fence_digest_depends_on_every_field() -> None:
     data = torch.arange(1000, dtype=torch.int16)
     assert digest(data) == xxhash.xxh3_64_intdigest(data.numpy().tobytes())
