@@ -217,7 +217,10 @@ class HandoffSection(Section):
     auth_token_env: str | None = Field(
         None, min_length=1, description="Environment variable holding the shared token.")
     timeout_s: float = Field(30.0, gt=0, description="Deadline of one KV handoff.")
-    host: str = Field("auto", description="Address the receiver listens on; auto: the node's IP.")
+    net_devices: str | None = Field(
+        None, description="UCX network devices for KV between machines (UCX_NET_DEVICES, e.g. "
+        "'mlx5_0:1' or 'eth0'); default: UCX picks. Peers connect by the worker address in "
+        "each ticket, so there is no listen address to set.")
     staging_buffer_mb: int = Field(64, ge=1, description="Per-worker staging buffer for sends.")
 
     @model_validator(mode="after")

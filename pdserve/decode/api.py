@@ -45,5 +45,7 @@ class DecodeEvent:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     reason: str = ""
-    # Seconds from the reservation until the fence verified (disaggregated path only).
+    # Disaggregated path only: seconds from the ticket until the fence verified (this
+    # overlaps the prefill), and the KV bytes that arrived.
     handoff_wait_s: float = 0.0
+    handoff_bytes: int = 0

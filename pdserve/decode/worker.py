@@ -89,7 +89,8 @@ class DecodeWorker:
             wait_s = time.monotonic() - start
             yield DecodeEvent(kind="tokens", finished=first.finished,
                               finish_reason=first.finish_reason,
-                              num_output_tokens=first.num_output_tokens, handoff_wait_s=wait_s)
+                              num_output_tokens=first.num_output_tokens, handoff_wait_s=wait_s,
+                              handoff_bytes=fence.num_bytes)
             finished = first.finished
             if not finished:
                 async for out in self.async_engine.stream(rid, stream):

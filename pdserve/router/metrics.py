@@ -25,7 +25,8 @@ _STAGES = (
     ("decode_reserve_seconds", "decode_reserve_ms", "Time to reserve KV blocks on decode."),
     ("prefill_queue_seconds", "prefill_queue_ms", "Wait before a prefill worker started."),
     ("prefill_compute_seconds", "prefill_compute_ms", "Prefill compute time."),
-    ("handoff_seconds", "handoff_ms", "KV handoff time, first send to verified fence."),
+    ("handoff_seconds", "handoff_ms", "KV handoff time, ticket issued to verified fence "
+     "(overlaps the prefill it streams from)."),
     ("handoff_exposed_seconds", "handoff_exposed_ms",
      "Handoff time left after prefill compute ended (not hidden by overlap)."),
 )

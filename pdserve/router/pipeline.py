@@ -132,6 +132,7 @@ class GenerationPipeline:
                     return
                 if event.handoff_wait_s:
                     trace.update(handoff_ms=event.handoff_wait_s * 1000.0,
+                                 handoff_bytes=event.handoff_bytes,
                                  handoff_exposed_ms=(time.monotonic() - prefill_done) * 1000.0)
                 yield _delta(event)
         finally:

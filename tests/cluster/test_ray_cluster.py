@@ -80,7 +80,7 @@ def base_config(model_path: str) -> dict[str, Any]:
         "engine": {"block_size": 16, "num_kv_blocks": 1024, "max_num_batched_tokens": 512,
                    "max_num_seqs": 32, "device": "cpu"},
         "router": {"min_disaggregated_prompt_tokens": 16, "request_timeout_s": 120},
-        "handoff": {"host": "127.0.0.1", "timeout_s": 20},
+        "handoff": {"timeout_s": 20},
     }
 
 

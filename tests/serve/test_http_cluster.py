@@ -206,7 +206,8 @@ def test_metrics_endpoint_serves_stage_histograms(served_apps: ServedApps) -> No
     text = httpx.get(f"{served_apps.url('disagg')}/metrics", timeout=30).text
     for name in ("pdserve:ttft_seconds_bucket", "pdserve:tpot_seconds_bucket",
                  "pdserve:prefill_compute_seconds_bucket", "pdserve:handoff_seconds_bucket",
-                 "pdserve:tokenize_seconds_bucket", "pdserve:decode_reserve_seconds_bucket"):
+                 "pdserve:tokenize_seconds_bucket", "pdserve:decode_reserve_seconds_bucket",
+                 "pdserve:handoff_bytes_bucket", "pdserve:handoff_exposed_seconds_bucket"):
         assert metric_value(text, name) > 0, name
     assert 'path="disaggregated"' in text
 
