@@ -37,7 +37,7 @@ NUM_LAYERS = 32
 Rates = dict[int, tuple[float, float]]  # size in MiB -> (GB/s, ms)
 BENCH_CONFIG: dict[str, Any] = {
     "auth_token": "bench-secret", "receiver_staging_bytes": 512 * MIB,
-    "sender_staging_bytes": 512 * MIB, "max_piece_bytes": 16 * MIB, "min_piece_bytes": 4 * MIB,
+    "sender_staging_bytes": 512 * MIB, "max_piece_bytes": 16 * MIB, "min_piece_bytes": 8 * MIB,
     "default_timeout_s": 60.0,
 }
 

@@ -36,6 +36,8 @@ def test_plan_groups_small_layers_and_splits_large_ones() -> None:
     assert len(split) == 10 and [p.index for p in split] == list(range(10))
     with pytest.raises(ValueError, match="exceeds"):
         plan_pieces(LAYOUT, 6, 1, LAYOUT.block_bytes - 1)
+    capped = plan_pieces(LAYOUT, 6, min_piece_bytes=1 << 30, max_piece_bytes=2 * layer_bytes)
+    assert [(p.layer_start, p.layer_end) for p in capped] == [(0, 2), (2, 4), (4, 5)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
