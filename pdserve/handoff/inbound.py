@@ -17,7 +17,7 @@ import torch
 
 from pdserve.engine.kv_layout import KVLayout, LayoutMismatchError
 from pdserve.handoff.errors import HandoffError, HandoffLayoutError, HandoffProtocolError
-from pdserve.handoff.kvcopy import PieceSpec, combine_digests
+from pdserve.handoff.kvcopy import PieceSpec, block_nbytes, combine_digests
 from pdserve.handoff.ticket import FenceInfo
 from pdserve.handoff.wire import MAX_PIECES
 
@@ -75,7 +75,7 @@ class InboundTransfer:
 
     @property
     def expected_bytes(self) -> int:
-        return self.layout.num_local_layers * self.num_blocks * self.layout.block_bytes
+        return self.layout.num_local_layers * self.num_blocks * block_nbytes(self.layout)
 
     @property
     def terminal(self) -> bool:
