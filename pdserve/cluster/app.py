@@ -32,7 +32,7 @@ def handoff_config(cfg: PdserveConfig) -> HandoffConfig:
     return HandoffConfig(
         auth_token=token, default_timeout_s=cfg.handoff.timeout_s,
         sender_staging_bytes=staging, receiver_staging_bytes=staging,
-        max_piece_bytes=min(16 * MIB, staging), min_piece_bytes=min(4 * MIB, staging),
+        max_piece_bytes=min(16 * MIB, staging),
         net_devices=cfg.handoff.net_devices,
     )
 
