@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.attention.metadata import AttentionMetadata
 
-# What one more decode group costs, in padded (sequence, block) pairs: each group adds a few
-# kernel launches per KV head and layer (~0.1 ms on CPU), about the price of gathering and
-# attending ~32 padded blocks of a small model. Groups split only where padding costs more.
-_GROUP_COST_BLOCKS = 32
+# What one more decode group costs, in padded (sequence, block) pairs: each group adds about
+# ten kernel launches per layer, each a thread-pool barrier that stalls on a busy CPU. At 64,
+# a spread of context lengths (64-1,152) takes ~3 groups and ~16% padding (one group: ~58%);
+# measured on the small model at 2 threads, 32-128 are within noise of each other.
+_GROUP_COST_BLOCKS = 64
 
 
 @dataclass(frozen=True)
@@ -109,15 +110,18 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         groups = plan.decode_groups
         if len(groups) == 1 and groups[0].token_rows is None:
-            return _attend_decode(query, layer_cache, groups[0], plan.workspace, scale)
+            attended = _attend_decode(query, layer_cache, groups[0], plan.workspace, scale)
+            return attended.reshape(query.shape)
         out = torch.empty_like(query)
+        # Rows viewed per KV head, the layout `_attend_decode` returns (one scatter per group).
+        by_kv_head = out.view(query.shape[0], layer_cache.shape[3], -1, query.shape[2])
         for group in groups:
             rows = group.token_rows
             assert rows is not None
             attended = _attend_decode(
                 query.index_select(0, rows), layer_cache, group, plan.workspace, scale
             )
-            out.index_copy_(0, rows, attended)
+            by_kv_head.index_copy_(0, rows, attended)
         # Each [num_blocks, block_size, kv_heads, head_dim].
         keys, values = layer_cache[0], layer_cache[1]
         for chunk in plan.prefills:
@@ -213,7 +217,8 @@ def _attend_decode(
     workspace: Workspace,
     scale: float,
 ) -> torch.Tensor:
-    """query [g, H, D] -> [g, H, D]: one query per sequence against its padded context.
+    """query [g, H, D] -> [g, KVH, H / KVH, D] (a strided view): one query per sequence
+    against its padded context.
 
     Two batched matmuls per KV head, the K/V read in place from one gather (no head repeat):
     for a single query row they beat SDPA's CPU kernels, which tile for long queries.
@@ -224,13 +229,13 @@ def _attend_decode(
     torch.index_select(layer_cache, 1, group.block_ids, out=kv)
     kv = kv.view(2, num_seqs, -1, kv_heads, head_dim)  # [2, g, L, KVH, D]
     q = query.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
-    out = torch.empty_like(q)
+    out = query.new_empty((kv_heads, num_seqs, num_heads // kv_heads, head_dim))
     for h in range(kv_heads):
         scores = torch.baddbmm(group.mask, q[:, h], kv[0, :, :, h].transpose(1, 2), alpha=scale)
         # Low-precision dtypes take the softmax in float32, as transformers does.
         probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
-        out[:, h] = torch.bmm(probs, kv[1, :, :, h])
-    return out.view(num_seqs, num_heads, head_dim)
+        torch.bmm(probs, kv[1, :, :, h], out=out[h])
+    return out.transpose(0, 1)
 
 
 def _attend_prefill(
