@@ -226,7 +226,10 @@ def _attend_decode(
     num_seqs, num_heads, head_dim = query.shape
     block_size, kv_heads = layer_cache.shape[2], layer_cache.shape[3]
     kv = workspace.take((2, group.block_ids.numel(), block_size, kv_heads, head_dim), layer_cache)
-    torch.index_select(layer_cache, 1, group.block_ids, out=kv)
+    # Along dim 0 of K and V separately: rows of whole blocks, which torch copies in parallel
+    # (a gather along dim 1 of the joint tensor runs on one thread).
+    torch.index_select(layer_cache[0], 0, group.block_ids, out=kv[0])
+    torch.index_select(layer_cache[1], 0, group.block_ids, out=kv[1])
     kv = kv.view(2, num_seqs, -1, kv_heads, head_dim)  # [2, g, L, KVH, D]
     q = query.view(num_seqs, kv_heads, num_heads // kv_heads, head_dim)
     out = query.new_empty((kv_heads, num_seqs, num_heads // kv_heads, head_dim))
