@@ -70,8 +70,9 @@ def set_threads(num_threads: int) -> str:
     if load > 0.5 or cores <= num_threads:
         line += (
             "\n  NOTE: this box is shared (or fully used by the benchmark): other processes "
-            "take CPU time\n  from both engines alike and distort absolute numbers; the "
-            "ratio is the figure to trust."
+            "take CPU time and\n  distort the numbers, not always alike (a descheduled "
+            "thread stalls every parallel op);\n  trust runs whose load average stays "
+            "below the core count, and compare CPU time too."
         )
     return line
 
