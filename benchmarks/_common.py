@@ -126,12 +126,7 @@ def bar_chart(
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.margins(y=0.15)
-    fig.suptitle(suptitle)
-    fig.tight_layout()
-    path = RESULTS_DIR / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, name, suptitle)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -252,12 +247,7 @@ def comparison_chart(
         ax.set_ylabel(ylabel)
         ax.margins(y=0.15)
         ax.legend()
-    fig.suptitle(suptitle)
-    fig.tight_layout()
-    path = RESULTS_DIR / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, name, suptitle)
 
 
 # ---- HTTP serving benchmarks --------------------------------------------------------------
@@ -365,3 +355,15 @@ def probe_serve_replicas() -> list[dict[str, Any]]:
         info = cast(dict[str, Any], ray.get(actor.__ray_call__.remote(probe), timeout=60))
         found.append({"app": app, "deployment": deployment, **info})
     return sorted(found, key=lambda r: (r["app"], r["deployment"], r["pid"]))
+
+
+def save_figure(fig: Any, name: str, suptitle: str) -> Path:
+    """Title, lay out, write results/NAME.png and close: the end of every plot here."""
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(suptitle)
+    fig.tight_layout()
+    path = RESULTS_DIR / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
