@@ -48,7 +48,8 @@ class DecodeWorker:
         self.receiver: HandoffReceiver | None = None
         if handoff_config is not None:
             self.transport = HandoffTransport(handoff_config).start()
-            self.receiver = HandoffReceiver(self.transport, self.engine.kv_cache, self.engine.layout)
+            self.receiver = HandoffReceiver(self.transport, self.engine.kv_cache,
+                                            self.engine.layout)
         logger.info("decode worker ready: %d KV blocks of %d tokens",
                     self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
 
@@ -63,7 +64,8 @@ class DecodeWorker:
         async for event in self._generate_from_received_kv(request):
             yield event
 
-    async def _generate_from_received_kv(self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
+    async def _generate_from_received_kv(
+            self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
         assert self.receiver is not None
         rid = request.request_id
         stream = self.async_engine.open_stream(rid)
@@ -80,8 +82,9 @@ class DecodeWorker:
                 fence = await self.receiver.wait_ready_async(rid)
             except HandoffError as exc:
                 logger.warning("handoff for %s failed: %s", rid, exc)
-                await self._drop_reservation(rid)
                 finished = True
+                if exc.blocks_released:
+                    await self._drop_reservation(rid)
                 yield DecodeEvent(kind="handoff_failed", reason=str(exc))
                 return
             first = await self.async_engine.call(
@@ -99,7 +102,7 @@ class DecodeWorker:
         finally:
             if not finished:
                 # Cancelled (client gone) or crashed: stop the receiver writing before freeing.
-                self.receiver.cancel(rid)
+                finished = not self._stop_receiving(rid)
             await self.async_engine.close_stream(rid, abort=not finished)
 
     async def _reserve(self, request: DecodeRequest) -> list[int]:
@@ -119,9 +122,21 @@ class DecodeWorker:
             delay = min(delay * 2, 0.1)
 
     async def _drop_reservation(self, request_id: str) -> None:
+        if self._stop_receiving(request_id):
+            await self.async_engine.call(lambda: self.engine.abort(request_id))
+
+    def _stop_receiving(self, request_id: str) -> bool:
+        """Cancel the handoff; True when its blocks may be freed. A write UCX could still make
+        (a stalled sender) quarantines them instead: the reservation keeps holding them."""
         assert self.receiver is not None
-        self.receiver.cancel(request_id)
-        await self.async_engine.call(lambda: self.engine.abort(request_id))
+        try:
+            self.receiver.cancel(request_id)
+        except HandoffError as exc:
+            if exc.blocks_released:
+                raise
+            logger.error("keeping %s's KV blocks out of use: %s", request_id, exc)
+            return False
+        return True
 
     async def kv_stats(self) -> dict[str, Any]:
         """Block and queue counts (integrity-checked on the engine thread)."""

@@ -4,11 +4,16 @@ Also the UCX options the transport starts UCX with, and why each is chosen.
 
 UCX settings (what `HandoffConfig.ucx_options` returns) and why:
 
-- ``TLS``: left at UCX's default (``all``) unless ``ucx_tls`` is set. UCX then picks the best
-  transport per peer: on one host shared memory (sysv/posix) for small messages and CMA
-  (``process_vm_readv``, one copy) for rendezvous; ``cuda_ipc``/``cuda_copy`` for CUDA memory;
-  ``rc``/``dc`` on InfiniBand; TCP otherwise. Narrowing it is a deployment choice
-  (``ucx_tls="tcp,self"`` e.g. on hosts where CMA is forbidden by ptrace policy).
+- ``TLS``: UCX's default set minus CMA (``^cma``) unless ``ucx_tls`` is set. UCX then picks
+  the best transport per peer: on one host sysv/posix shared memory, rendezvous included
+  ("fragmented copy-in copy-out": the sender copies into shared segments while the receiver
+  copies out, ~4.5 GB/s here, as fast as CMA); ``cuda_ipc``/``cuda_copy`` for CUDA memory;
+  ``rc``/``dc`` on InfiniBand; TCP otherwise. CMA is left out on purpose: its rendezvous has
+  the receiver read the sender's memory with ``process_vm_readv``, and when the sender dies
+  mid-read on an endpoint without error handling (which same-host endpoints need, below) UCX
+  aborts the *receiving* process (measured: SIGABRT of the decode side). Over shared memory the
+  same death fails just that receive ("connection reset"). Narrowing ``TLS`` further is a
+  deployment choice (``ucx_tls="tcp,self"`` e.g. where shared memory is unavailable).
 - ``RNDV_THRESH=8192``: control messages (a few hundred bytes) go eager through shared memory;
   every KV piece (>= 8 KiB) goes rendezvous, i.e. zero-copy and paced by the receiver: a piece
   moves only once the receiver posted a buffer for it, which is the flow control we rely on.
@@ -57,6 +62,10 @@ class HandoffConfig:
     max_piece_bytes: int = 16 * MIB
     # 8 MiB: per-piece costs (headers, thread hops) outweighed pipelining at 16-64 MiB on 2 cores
     min_piece_bytes: int = 8 * MIB
+    # Direct pieces (one layer's K or V, straight between the caches) when both sides' blocks
+    # run long enough that pieces average this much: below it a message costs more than the
+    # two copies staging does (~50 us per piece on 2 cores vs ~0.3 ns per staged byte).
+    direct_min_piece_bytes: int = 128 * 1024
     finished_ttl_s: float = 60.0
     ucx_tls: str | None = None
     net_devices: str | None = None
@@ -79,10 +88,11 @@ class HandoffConfig:
             )
         # min_piece_bytes above max_piece_bytes is fine: pieces never exceed the max (so
         # lowering only the max keeps working); both must be positive.
-        if self.min_piece_bytes <= 0 or self.max_piece_bytes <= 0:
+        if min(self.min_piece_bytes, self.max_piece_bytes, self.direct_min_piece_bytes) <= 0:
             raise ValueError(
-                f"need positive min_piece_bytes ({self.min_piece_bytes}) and max_piece_bytes "
-                f"({self.max_piece_bytes})"
+                f"need positive min_piece_bytes ({self.min_piece_bytes}), max_piece_bytes "
+                f"({self.max_piece_bytes}) and direct_min_piece_bytes "
+                f"({self.direct_min_piece_bytes})"
             )
         for name in ("receiver_staging_bytes", "sender_staging_bytes"):
             if getattr(self, name) < self.max_piece_bytes:
@@ -93,9 +103,8 @@ class HandoffConfig:
 
     def ucx_options(self) -> dict[str, str]:
         """Options for ``ucxx.init`` (UCX config names without the ``UCX_`` prefix)."""
-        options = {"RNDV_THRESH": "8192", "MEMTYPE_CACHE": "n", "WARN_UNUSED_ENV_VARS": "n"}
-        if self.ucx_tls:
-            options["TLS"] = self.ucx_tls
+        options = {"RNDV_THRESH": "8192", "MEMTYPE_CACHE": "n", "WARN_UNUSED_ENV_VARS": "n",
+                   "TLS": self.ucx_tls or "^cma"}
         if self.net_devices:
             options["NET_DEVICES"] = self.net_devices
         options.update(self.extra_ucx_options)
@@ -132,6 +141,7 @@ _ENV_FIELDS: dict[str, type] = {
     "sender_staging_bytes": int,
     "max_piece_bytes": int,
     "min_piece_bytes": int,
+    "direct_min_piece_bytes": int,
     "finished_ttl_s": float,
     "ucx_tls": str,
     "net_devices": str,

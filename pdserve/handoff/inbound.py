@@ -17,7 +17,8 @@ import torch
 
 from pdserve.engine.kv_layout import KVLayout, LayoutMismatchError
 from pdserve.handoff.errors import HandoffError, HandoffLayoutError, HandoffProtocolError
-from pdserve.handoff.kvcopy import PieceSpec, block_nbytes, combine_digests
+from pdserve.handoff.kvcopy import combine_digests
+from pdserve.handoff.piece_plan import PieceSpec, block_nbytes
 from pdserve.handoff.ticket import FenceInfo
 from pdserve.handoff.wire import MAX_PIECES
 
@@ -41,8 +42,10 @@ class _Piece:
 class InboundTransfer:
     """Receiver-side record of one transfer.
 
-    ``write_lock`` is held by whoever writes into the reserved blocks and by whoever ends the
-    transfer, so once `finish` returned nothing writes into ``block_ids`` again.
+    ``write_lock`` is held by whoever writes into the reserved blocks from Python (staged
+    scatter), by whoever starts or ends a direct write (UCX receiving into the blocks), and by
+    whoever ends the transfer. Ending it (`finish`) stops new writes; the blocks are released
+    (``settled`` set, ``result`` resolved) once no direct write is in flight either.
     """
 
     request_id: str
@@ -61,13 +64,15 @@ class InboundTransfer:
     finished_at: float | None = None
     write_lock: threading.Lock = field(default_factory=threading.Lock)
     result: concurrent.futures.Future[FenceInfo] = field(default_factory=concurrent.futures.Future)
+    settled: threading.Event = field(default_factory=threading.Event)
+    writes_in_flight: int = 0
     _pieces: dict[int, _Piece] = field(default_factory=dict)
     _announced_bytes: int = 0
     _fence: dict[str, Any] | None = None
     _coverage: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self._coverage = np.zeros((self.layout.num_local_layers, self.num_blocks), dtype=bool)
+        self._coverage = np.zeros((self.layout.num_local_layers, 2, self.num_blocks), dtype=bool)
 
     @property
     def num_blocks(self) -> int:
@@ -127,12 +132,14 @@ class InboundTransfer:
                 f"piece {index} claims {nbytes} bytes; only {remaining} of the "
                 f"{self.expected_bytes} reserved bytes remain (piece bound {self.max_piece_bytes})")
         layers = self._bounds(body["layers"], self.layout.num_local_layers, "layers")
+        kvs = self._bounds(body["kv"], 2, "kv")
         blocks = self._bounds(body["blocks"], self.num_blocks, "blocks")
-        spec = PieceSpec(index, *layers, *blocks)
+        spec = PieceSpec(index, *layers, *blocks, *kvs)
         if spec.nbytes(self.layout) != nbytes:
             raise HandoffProtocolError(
                 f"piece {index} claims {nbytes} bytes, its bounds hold {spec.nbytes(self.layout)}")
-        region = self._coverage[spec.layer_start:spec.layer_end, spec.block_start:spec.block_end]
+        region = self._coverage[spec.layer_start:spec.layer_end, spec.kv_start:spec.kv_end,
+                                spec.block_start:spec.block_end]
         if region.any():
             raise HandoffProtocolError(f"piece {index} overlaps KV already announced")
         region[...] = True
@@ -153,7 +160,8 @@ class InboundTransfer:
                 f"fence counts {body['nbytes']} bytes, {self._announced_bytes} announced, "
                 f"{self.expected_bytes} reserved")
         if not self._coverage.all():
-            problems.append(f"{int((~self._coverage).sum())} (layer, block) slots never announced")
+            problems.append(
+                f"{int((~self._coverage).sum())} (layer, K/V, block) slots never announced")
         if body["num_tokens"] != self.num_tokens:
             problems.append(f"fence covers {body['num_tokens']} tokens, {self.num_tokens} reserved")
         if body["first_token_id"] < 0:
@@ -180,7 +188,8 @@ class InboundTransfer:
 
     def finish(self, error: HandoffError | None, now: float) -> bool:
         """End the transfer: ready (``error`` None, fence verified) or failed. The caller holds
-        ``write_lock``. Returns False when it had already ended (the first outcome stands)."""
+        ``write_lock``. Returns False when it had already ended (the first outcome stands).
+        Call `settle` once ``writes_in_flight`` is zero."""
         if self.terminal:
             return False
         self.finished_at = now
@@ -189,11 +198,34 @@ class InboundTransfer:
             if info is None:
                 raise RuntimeError("finish() before the fence verified and all pieces landed")
             self.state, self.fence_info = InboundState.READY, info
-            self.result.set_result(info)
         else:
             self.state, self.error = InboundState.FAILED, error
-            self.result.set_exception(error)
         return True
+
+    def begin_direct_write(self) -> bool:
+        """Caller holds ``write_lock``: False once the transfer ended (write nothing)."""
+        if self.terminal:
+            return False
+        self.writes_in_flight += 1
+        return True
+
+    def end_direct_write(self) -> bool:
+        """Caller holds ``write_lock``: True when this was the last write of an ended
+        transfer, i.e. the caller must `settle` it now."""
+        self.writes_in_flight -= 1
+        return self.terminal and self.writes_in_flight == 0
+
+    def settle(self) -> None:
+        """Publish the outcome: nothing writes into the blocks any more. Once, after the
+        transfer ended and its last direct write did."""
+        if self.settled.is_set():
+            return
+        if self.error is None:
+            assert self.fence_info is not None
+            self.result.set_result(self.fence_info)
+        else:
+            self.result.set_exception(self.error)
+        self.settled.set()
 
     def _check_sender(self, session_id: int, what: str) -> None:
         if self.state is not InboundState.RECEIVING:

@@ -1,15 +1,13 @@
-"""Moving KV between the paged cache and contiguous pieces: the piece plan, gather, digest, scatter.
+"""Moving KV between the paged cache and contiguous pieces: gather, digest, scatter, and the
+cache views that direct pieces are sent from and received into.
 
-A piece is a rectangle of (local layers x the request's blocks); on the wire it is the
-contiguous tensor ``[num_layers, 2, num_blocks, block_elements]`` of the cache's dtype.
+A piece (`PieceSpec`) is on the wire the contiguous ``[layers, kvs, blocks, block_elements]``.
 """
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,83 +15,32 @@ import torch
 import xxhash
 
 from pdserve.engine.kv_layout import KVLayout
+from pdserve.handoff.piece_plan import PieceSpec
 
 # Digest and scatter walk a piece in chunks this size so the scatter reads what the hash just
 # pulled into cache (one DRAM pass instead of two on the receiver).
 CHUNK_BYTES = 1 << 20
-_PIECE_RECORD = struct.Struct("<7Q")
-
-
-@dataclass(frozen=True)
-class PieceSpec:
-    """Layers ``[layer_start, layer_end)`` (local cache indices) x the request's blocks
-    ``[block_start, block_end)`` (positions in its block list, not block ids)."""
-
-    index: int
-    layer_start: int
-    layer_end: int
-    block_start: int
-    block_end: int
-
-    @property
-    def num_layers(self) -> int:
-        return self.layer_end - self.layer_start
-
-    @property
-    def num_blocks(self) -> int:
-        return self.block_end - self.block_start
-
-    def nbytes(self, layout: KVLayout) -> int:
-        return self.num_layers * self.num_blocks * block_nbytes(layout)
-
-
-def block_nbytes(layout: KVLayout) -> int:
-    """``layout.block_bytes`` without its scratch tensor (~10x cheaper; called per piece)."""
-    return 2 * layout.block_elements * layout.torch_dtype.itemsize
-
-
-def plan_pieces(
-    layout: KVLayout,
-    num_blocks: int,
-    min_piece_bytes: int,
-    max_piece_bytes: int,
-    layers_per_piece: int | None = None,
-) -> list[PieceSpec]:
-    """Split a transfer into pieces of at most ``max_piece_bytes``.
-
-    Small layers are grouped (``layers_per_piece``, or enough layers to reach
-    ``min_piece_bytes``) so per-message overhead stays small; a layer larger than
-    ``max_piece_bytes`` is split by blocks.
-    """
-    num_layers = layout.num_local_layers
-    layer_bytes = num_blocks * layout.block_bytes
-    if layout.block_bytes > max_piece_bytes:
-        raise ValueError(
-            f"one KV block ({layout.block_bytes} bytes) exceeds the receiver's piece bound "
-            f"({max_piece_bytes} bytes)"
-        )
-    pieces: list[PieceSpec] = []
-    if layer_bytes > max_piece_bytes:
-        step = max_piece_bytes // layout.block_bytes
-        for layer in range(num_layers):
-            for start in range(0, num_blocks, step):
-                end = min(num_blocks, start + step)
-                pieces.append(PieceSpec(len(pieces), layer, layer + 1, start, end))
-        return pieces
-    if layers_per_piece is None:
-        layers_per_piece = math.ceil(min_piece_bytes / layer_bytes)
-    group = max(1, min(layers_per_piece, max_piece_bytes // layer_bytes, num_layers))
-    for start in range(0, num_layers, group):
-        end = min(num_layers, start + group)
-        pieces.append(PieceSpec(len(pieces), start, end, 0, num_blocks))
-    return pieces
+_PIECE_RECORD = struct.Struct("<9Q")
 
 
 def piece_view(buffer: torch.Tensor, spec: PieceSpec, layout: KVLayout) -> torch.Tensor:
-    """The typed ``[layers, 2, blocks, block_elements]`` view of a uint8 staging buffer."""
+    """The typed ``[layers, kvs, blocks, block_elements]`` view of a uint8 staging buffer."""
     nbytes = spec.nbytes(layout)
     flat = buffer[:nbytes].view(layout.torch_dtype)
-    return flat.view(spec.num_layers, 2, spec.num_blocks, layout.block_elements)
+    return flat.view(spec.num_layers, spec.num_kv, spec.num_blocks, layout.block_elements)
+
+
+def row_span(rows: np.ndarray, spec: PieceSpec, first_block: int) -> np.ndarray:
+    """A single-row piece's bytes in a host cache itself (``rows`` from `cache_rows`): blocks
+    ``first_block ..`` of one layer's K or V, which are contiguous. A view, no copy: what
+    direct pieces are sent from and received into."""
+    if not spec.is_single_row:
+        raise ValueError(f"piece {spec.index} spans several layers or both K and V")
+    if not 0 <= first_block <= rows.shape[2] - spec.num_blocks:
+        raise IndexError(f"blocks {first_block}..{first_block + spec.num_blocks - 1} outside "
+                         f"the cache's {rows.shape[2]}")
+    span = rows[spec.layer_start, spec.kv_start, first_block:first_block + spec.num_blocks]
+    return span.reshape(-1)  # contiguous rows: reshape is a view
 
 
 def layer_rows(cache: torch.Tensor, layer: int, layout: KVLayout) -> torch.Tensor:
@@ -112,15 +59,16 @@ def gather_piece(
     """
     ids = block_ids[spec.block_start : spec.block_end]
     chosen = layers if layers is not None else range(spec.layer_start, spec.layer_end)
+    kvs = slice(spec.kv_start, spec.kv_end)
     if cache.is_cuda:
         for layer in chosen:
             target = out[layer - spec.layer_start]
-            torch.index_select(layer_rows(cache, layer, layout), 1, ids, out=target)
+            torch.index_select(layer_rows(cache, layer, layout)[kvs], 1, ids, out=target)
         return
     src, dst = cache_rows(cache, layout), byte_rows(out)
     ids_np = checked_ids(ids.numpy(), src.shape[2])
     for layer in chosen:
-        gather_rows(src[layer], ids_np, dst[layer - spec.layer_start], hasher)
+        gather_rows(src[layer, kvs], ids_np, dst[layer - spec.layer_start], hasher)
 
 
 def cache_rows(cache: torch.Tensor, layout: KVLayout) -> np.ndarray:
@@ -138,7 +86,7 @@ def checked_ids(ids: np.ndarray, num_cache_blocks: int) -> np.ndarray:
 
 
 def gather_rows(src: np.ndarray, ids: np.ndarray, out: np.ndarray, hasher: Any = None) -> None:
-    """One layer: ``out[kv, i] = src[kv, ids[i]]`` for K and V, in 1 MiB chunks.
+    """One layer: ``out[kv, i] = src[kv, ids[i]]`` for each K/V row of ``src``, in 1 MiB chunks.
 
     ``ids`` must come from `checked_ids`: ``np.take(mode="clip")`` is the one numpy gather that
     writes straight into ``out`` (mode "raise" buffers it: a second copy, 3x slower), and it
@@ -148,7 +96,7 @@ def gather_rows(src: np.ndarray, ids: np.ndarray, out: np.ndarray, hasher: Any =
     callers gather layers in order so the stream matches the piece's byte order.
     """
     step = max(1, CHUNK_BYTES // out.shape[-1])
-    for kv in (0, 1):
+    for kv in range(src.shape[0]):
         rows, target = src[kv], out[kv]
         for start in range(0, len(ids), step):
             chunk = target[start : start + step]
@@ -177,9 +125,11 @@ def digest_and_scatter(
     CUDA pieces are scattered on device and hashed via host.
     """
     ids = block_ids[spec.block_start : spec.block_end]
+    kvs = slice(spec.kv_start, spec.kv_end)
     if staged.is_cuda:
         for offset in range(spec.num_layers):
-            layer_rows(cache, spec.layer_start + offset, layout).index_copy_(1, ids, staged[offset])
+            rows = layer_rows(cache, spec.layer_start + offset, layout)[kvs]
+            rows.index_copy_(1, ids, staged[offset])
         return digest(staged)
     hasher = xxhash.xxh3_64()
     src = byte_rows(staged)
@@ -187,8 +137,8 @@ def digest_and_scatter(
     ids_np = ids.numpy()
     rows_per_chunk = max(1, CHUNK_BYTES // src.shape[-1])
     for offset in range(spec.num_layers):
-        for kv in (0, 1):
-            rows, target = src[offset, kv], dst[spec.layer_start + offset, kv]
+        for kv in range(spec.num_kv):
+            rows, target = src[offset, kv], dst[spec.layer_start + offset, spec.kv_start + kv]
             for start in range(0, spec.num_blocks, rows_per_chunk):
                 chunk = rows[start : start + rows_per_chunk]
                 hasher.update(chunk)
@@ -206,8 +156,8 @@ def combine_digests(records: Sequence[tuple[PieceSpec, int, int]]) -> int:
     hasher = xxhash.xxh3_64()
     for spec, nbytes, piece_digest in sorted(records, key=lambda r: r[0].index):
         hasher.update(_PIECE_RECORD.pack(
-            spec.index, spec.layer_start, spec.layer_end, spec.block_start, spec.block_end,
-            nbytes, piece_digest,
+            spec.index, spec.layer_start, spec.layer_end, spec.kv_start, spec.kv_end,
+            spec.block_start, spec.block_end, nbytes, piece_digest,
         ))
     return hasher.intdigest()
 

@@ -1,6 +1,6 @@
-"""Receiver-side piece I/O: stage an accepted piece, receive it, verify it and scatter it into
-its reserved blocks; or drain it into a 1-byte sink when its transfer is gone. Loop only.
-"""
+"""Receiver-side piece I/O: receive an accepted piece straight into its reserved blocks
+(direct) or into staging and scatter it; verify it; or drain it when its transfer is gone.
+Loop only."""
 
 from __future__ import annotations
 
@@ -9,23 +9,29 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 
+from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.admission import StagingAdmission
 from pdserve.handoff.errors import (
     HandoffCapacityError,
     HandoffDigestError,
     HandoffError,
     HandoffPeerGoneError,
+    HandoffProtocolError,
 )
 from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundTransfer
-from pdserve.handoff.kvcopy import PieceSpec, digest_and_scatter, piece_view
+from pdserve.handoff.kvcopy import cache_rows, digest_and_scatter, piece_view, row_span
+from pdserve.handoff.piece_plan import PieceSpec, is_run
 from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.transport import HandoffTransport
 
 log = logging.getLogger(__name__)
 FailFn = Callable[[InboundTransfer, HandoffError], None]
+RecordFn = Callable[[InboundTransfer], None]
 
 
 class PieceLanding:
@@ -39,16 +45,23 @@ class PieceLanding:
     """
 
     def __init__(self, transport: HandoffTransport, cache: torch.Tensor, pool: StagingPool,
-                 faults: ReceiverFaults, fail: FailFn,
-                 landed: Callable[[InboundTransfer], None]) -> None:
+                 faults: ReceiverFaults, fail: FailFn, landed: RecordFn,
+                 settle: RecordFn) -> None:
         self._transport, self._cache, self._pool = transport, cache, pool
         self._admission = StagingAdmission(pool)
-        self._faults, self._fail, self._landed = faults, fail, landed
+        self._faults, self._fail, self._landed, self._settle = faults, fail, landed, settle
+        self._rows: dict[KVLayout, np.ndarray] = {}  # host cache byte views, per layout
         self._tasks: dict[int, set[asyncio.Task[None]]] = {}
         self.num_drained = 0
+        self.num_direct = 0  # pieces received straight into their blocks
+        self.num_staged = 0  # pieces received into staging and scattered
 
     def receive(self, record: InboundTransfer, spec: PieceSpec, tag: int) -> None:
-        self._track(record.transfer_id, self._receive(record, spec, tag))
+        rows = record.block_id_list[spec.block_start:spec.block_end]
+        if spec.is_single_row and not self._cache.is_cuda and is_run(rows):
+            self._track(record.transfer_id, self._receive_direct(record, spec, tag, rows[0]))
+        else:
+            self._track(record.transfer_id, self._receive(record, spec, tag))
 
     def drain(self, transfer_id: int, tag: int) -> None:
         self._track(transfer_id, self._drain(tag))
@@ -80,6 +93,47 @@ class PieceLanding:
         timeout = self._transport.config.default_timeout_s
         await asyncio.wait_for(self._transport.drain(tag), timeout)
         self.num_drained += 1
+
+    async def _receive_direct(self, record: InboundTransfer, spec: PieceSpec, tag: int,
+                              first_block: int) -> None:
+        """Probe, then receive into the blocks themselves: a receive is only ever started for
+        a message that has arrived, under the write lock of a live transfer, so ending the
+        transfer waits at most for copies already running (see `InboundTransfer`)."""
+        if self._faults.recv_delay_s:
+            await asyncio.sleep(self._faults.recv_delay_s)
+        probe = await self._transport.probe(tag, lambda: record.terminal)
+        if probe is None:
+            return await self._drain(tag)
+        nbytes = spec.nbytes(record.layout)
+        if probe.length != nbytes:
+            self._fail(record, HandoffProtocolError(
+                f"piece {spec.index} carries {probe.length} bytes, its header said {nbytes}"))
+        with record.write_lock:
+            started = record.begin_direct_write()
+        if not started:
+            await self._transport.drain_probed(probe)
+            self.num_drained += 1
+            return None
+        rows = self._rows.get(record.layout)
+        if rows is None:
+            rows = self._rows[record.layout] = cache_rows(self._cache, record.layout)
+        view = row_span(rows, spec, first_block)
+        write = self._transport.recv_probed(view, probe)
+        write.add_done_callback(lambda _: self._direct_write_ended(record))
+        try:
+            await asyncio.shield(write)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any UCX failure ends this transfer only
+            return self._fail(record, HandoffPeerGoneError(f"piece {spec.index} failed: {exc}"))
+        self.num_direct += 1
+        return self._verify(record, spec, xxhash.xxh3_64_intdigest(view))
+
+    def _direct_write_ended(self, record: InboundTransfer) -> None:
+        with record.write_lock:
+            last = record.end_direct_write()
+        if last:
+            self._settle(record)
 
     async def _receive(self, record: InboundTransfer, spec: PieceSpec, tag: int) -> None:
         nbytes = spec.nbytes(record.layout)
@@ -118,7 +172,12 @@ class PieceLanding:
         except Exception as exc:
             log.exception("landing piece %d of %r failed", spec.index, record.request_id)
             return self._fail(record, HandoffError(f"landing piece {spec.index} failed: {exc}"))
-        if actual is None:
+        self.num_staged += 1
+        return self._verify(record, spec, actual)
+
+    def _verify(self, record: InboundTransfer, spec: PieceSpec, actual: int | None) -> None:
+        """Count a landed piece whose bytes hash as announced; fail the transfer otherwise."""
+        if actual is None or record.terminal:
             self.num_drained += 1
         elif actual != record.piece_digest(spec.index):
             self._fail(record, HandoffDigestError(
@@ -128,7 +187,6 @@ class PieceLanding:
         else:
             record.mark_landed(spec.index)
             self._landed(record)
-        return None
 
     def _land(self, record: InboundTransfer, spec: PieceSpec, view: torch.Tensor) -> int | None:
         """Scatter under the write lock, unless the transfer already ended (loop or payload

@@ -1,5 +1,5 @@
 """One request's KV push on the prefill side: the piece plan, the staging buffers the compute
-thread gathers into, and the completion (deferred-free) signal.
+thread gathers into (or the cache rows direct pieces go from), and the completion signal.
 
 Compute-thread methods never wait on the network; loop-side state is touched only on the loop.
 """
@@ -20,23 +20,25 @@ import xxhash
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.errors import HandoffCapacityError, HandoffError, HandoffProtocolError
 from pdserve.handoff.kvcopy import (
-    PieceSpec,
     byte_rows,
     checked_ids,
     gather_piece,
     gather_rows,
     piece_view,
+    row_span,
 )
+from pdserve.handoff.piece_plan import PieceSpec, is_run
 from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.ticket import HandoffTicket, SendResult
 
 
 @dataclass(frozen=True)
 class ReadyPiece:
-    """A gathered piece handed from the compute thread to the loop."""
+    """A piece handed from the compute thread to the loop, ready to send."""
 
     spec: PieceSpec
-    buffer: torch.Tensor  # uint8 staging buffer owned by the transfer until released
+    payload: torch.Tensor | np.ndarray  # its contiguous bytes: staging, or the cache's rows
+    buffer: torch.Tensor | None  # the staging buffer (owned until released); None: direct
     event: Any  # torch.cuda.Event recorded after the gather, or None on host memory
     digest: int | None  # xxh3-64 taken during the gather, or None: hash it off-thread
 
@@ -77,6 +79,8 @@ class OutboundTransfer:
     _hashers: dict[int, Any] = field(default_factory=dict)  # piece index -> xxh3 or None
     _out_rows: dict[int, np.ndarray] = field(default_factory=dict)  # host piece byte views
     _ids_np: np.ndarray | None = None  # host block ids, range-checked on first use
+    _by_layer: dict[int, list[PieceSpec]] = field(default_factory=dict)
+    _direct_first: dict[int, int] = field(default_factory=dict)  # piece -> first source block
     _fence_requested: bool = False
     # loop-side state
     queue: Any = None  # asyncio.Queue of ReadyPiece | FenceRequest | None (wake-up)
@@ -89,6 +93,21 @@ class OutboundTransfer:
     sends: set[Any] = field(default_factory=set)
     bytes_sent: int = 0
     pieces_sent: int = 0
+
+    def __post_init__(self) -> None:
+        ids = self.block_ids.tolist()
+        host = self.block_ids.device.type == "cpu"
+        for spec in self.plan:
+            for layer in range(spec.layer_start, spec.layer_end):
+                self._by_layer.setdefault(layer, []).append(spec)
+            rows = ids[spec.block_start:spec.block_end]
+            if host and spec.is_single_row and is_run(rows):
+                self._direct_first[spec.index] = rows[0]
+
+    @property
+    def num_direct_pieces(self) -> int:
+        """Pieces sent straight from the cache (no staging copy)."""
+        return len(self._direct_first)
 
     @property
     def request_id(self) -> str:
@@ -131,8 +150,12 @@ class OutboundTransfer:
                 return []
             self._layers_done.add(layer)
             ready: list[ReadyPiece] = []
-            for spec in self.plan:
-                if not spec.layer_start <= layer < spec.layer_end:
+            for spec in self._by_layer.get(layer, ()):
+                first = self._direct_first.get(spec.index)
+                if first is not None and src_rows is not None:
+                    payload = row_span(src_rows, spec, first)
+                    ready.append(ReadyPiece(spec, payload, None, None,
+                                            xxhash.xxh3_64_intdigest(payload)))
                     continue
                 buffer = self._buffer_for_locked(spec)
                 if buffer is None:
@@ -142,8 +165,8 @@ class OutboundTransfer:
                 if src_rows is not None:  # host: precomputed views, no per-layer torch calls
                     out_rows = self._out_rows[spec.index][layer - spec.layer_start]
                     ids = self._host_ids(src_rows.shape[2])
-                    gather_rows(src_rows[layer], ids[spec.block_start:spec.block_end],
-                                out_rows, hasher)
+                    gather_rows(src_rows[layer, spec.kv_start:spec.kv_end],
+                                ids[spec.block_start:spec.block_end], out_rows, hasher)
                 else:
                     gather_piece(cache, self.block_ids, spec, self.layout,
                                  piece_view(buffer, spec, self.layout), [layer], hasher)
@@ -152,7 +175,8 @@ class OutboundTransfer:
                     del self._buffers[spec.index]
                     self._out_rows.pop(spec.index, None)
                     hasher = self._hashers.pop(spec.index, None)
-                    ready.append(ReadyPiece(spec, buffer, _record_event(buffer),
+                    ready.append(ReadyPiece(spec, buffer[:spec.nbytes(self.layout)], buffer,
+                                            _record_event(buffer),
                                             None if hasher is None else hasher.intdigest()))
             return ready
 

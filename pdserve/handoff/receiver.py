@@ -28,6 +28,7 @@ from pdserve.handoff.errors import (
 from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundState, InboundTransfer
 from pdserve.handoff.landing import PieceLanding
+from pdserve.handoff.piece_plan import MAX_TICKET_RUNS, run_lengths
 from pdserve.handoff.sessions import SenderSession, SessionTable
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import FenceInfo, HandoffTicket
@@ -46,6 +47,8 @@ class ReceiverStats:
     num_ready: int
     num_failed: int
     num_drained: int
+    num_direct_pieces: int  # received straight into reserved blocks
+    num_staged_pieces: int  # received into staging, then scattered
     num_refused_peers: int
     num_rejected_frames: int
     staging: StagingStats
@@ -73,7 +76,7 @@ class HandoffReceiver:
         self._faults = faults or ReceiverFaults()
         self._pool = StagingPool(self._config.receiver_staging_bytes, cache.device)
         self._landing = PieceLanding(transport, cache, self._pool, self._faults, self._fail,
-                                     self._maybe_ready)
+                                     self._maybe_ready, self._settle)
         self._sessions = SessionTable(transport)
         self._lock = threading.Lock()  # guards the three registries below
         self._by_request: dict[str, InboundTransfer] = {}
@@ -103,6 +106,8 @@ class HandoffReceiver:
         if deadline <= now:
             raise ValueError(f"deadline {deadline} is already past")
         max_piece = min(self._config.max_piece_bytes, self._config.receiver_staging_bytes)
+        runs = run_lengths(ids) if not self._cache.is_cuda else []  # CUDA: staged pieces only
+        block_runs = tuple(runs) if len(runs) <= MAX_TICKET_RUNS else ()
         with self._lock:
             current = self._by_request.get(request_id)
             if current is not None and not current.terminal:
@@ -117,7 +122,7 @@ class HandoffReceiver:
             ticket = HandoffTicket(
                 request_id, record.transfer_id, self._transport.address,
                 self._transport.instance_id, self._transport.host, len(ids), num_tokens,
-                record.expected_bytes, max_piece, deadline, layout)
+                record.expected_bytes, max_piece, deadline, layout, block_runs)
             self._by_request[request_id] = record
             self._by_tid[record.transfer_id] = record
             self._writable.update(ids)
@@ -149,15 +154,27 @@ class HandoffReceiver:
             raise TimeoutError(f"request {request_id!r} not ready within {timeout}s") from None
 
     def cancel(self, request_id: str) -> bool:
-        """End the transfer now; on return nothing writes into its blocks any more."""
+        """End the transfer now; on return nothing writes into its blocks any more (a direct
+        write UCX already started, a copy of at most one piece, is waited for). Returns whether
+        this call ended it. Raises `HandoffError` with ``blocks_released=False`` if a write
+        did not end within ``peer_timeout_s``: the blocks must then never be reused."""
         with self._lock:
             record = self._by_request.get(request_id)
-        if record is None or record.terminal:
+        if record is None:
             return False
         error = HandoffCancelledError(f"request {request_id!r} cancelled by the decode worker")
-        if self._finish(record, error):
+        ended = self._finish(record, error)
+        if ended:
             self._transport.call_soon(self._tell_sender, record, error, None)
-        return True
+        if self._transport.on_loop_thread():
+            return ended
+        # The write watchdog settles by peer_timeout_s at the latest; wait a little longer.
+        settled = record.settled.wait(self._config.peer_timeout_s + 1.0)
+        if not settled or (record.error is not None and not record.error.blocks_released):
+            raise record.error if settled and record.error is not None else HandoffError(
+                f"request {request_id!r}: a KV write into its blocks did not end after the "
+                f"cancel", blocks_released=False)
+        return ended
 
     def close(self) -> None:
         """Cancel every live transfer and stop handling frames (the transport keeps running)."""
@@ -177,7 +194,8 @@ class HandoffReceiver:
             active = sum(not r.terminal for r in self._by_request.values())
             receiving = sum(r.state is InboundState.RECEIVING for r in self._by_request.values())
         return ReceiverStats(active, receiving, self._counts["ready"], self._counts["failed"],
-                             self._landing.num_drained, self._sessions.num_refused,
+                             self._landing.num_drained, self._landing.num_direct,
+                             self._landing.num_staged, self._sessions.num_refused,
                              self._counts["rejected"], self._pool.stats())
 
     # ---- ending a transfer ---------------------------------------------------------------
@@ -185,9 +203,13 @@ class HandoffReceiver:
         with record.write_lock:
             if not record.finish(error, time.monotonic()):
                 return False
+            quiet = record.writes_in_flight == 0
         with self._lock:
-            self._writable.difference_update(record.block_id_list)
             self._counts["ready" if error is None else "failed"] += 1
+        if quiet:
+            self._settle(record)
+        else:
+            self._transport.call_soon(self._arm_write_watchdog, record)
         if error is None:
             log.debug("handoff %s ready", record.request_id)
         else:
@@ -195,6 +217,31 @@ class HandoffReceiver:
                      record.progress())
         self._transport.call_soon(self._after_finish, record)
         return True
+
+    def _settle(self, record: InboundTransfer) -> None:
+        """The transfer ended and nothing writes into its blocks: hand them back."""
+        with self._lock:
+            self._writable.difference_update(record.block_id_list)
+        record.settle()
+
+    def _arm_write_watchdog(self, record: InboundTransfer) -> None:
+        self._transport.loop.call_later(self._config.peer_timeout_s, self._abandon, record)
+
+    def _abandon(self, record: InboundTransfer) -> None:
+        """A direct write outlived its transfer by ``peer_timeout_s`` (its sender stalled
+        mid-message): UCX might still write, so the blocks are given up, never handed back:
+        they stay in `writable_block_ids` and the outcome says ``blocks_released=False``."""
+        with record.write_lock:
+            if record.settled.is_set() or record.writes_in_flight == 0:
+                return
+            cause = record.error or HandoffCancelledError("ended")
+            record.error = type(cause)(
+                f"{cause}; a KV write into its blocks is still in flight, so they must not be "
+                f"reused", blocks_released=False)
+        log.error("handoff %s: %d write(s) still in flight %.1fs after it ended; its %d "
+                  "blocks are quarantined", record.request_id, record.writes_in_flight,
+                  self._config.peer_timeout_s, record.num_blocks)
+        record.settle()
 
     def _fail(self, record: InboundTransfer, error: HandoffError,
               session: SenderSession | None = None) -> None:

@@ -22,9 +22,10 @@ from pdserve.handoff.errors import (
     error_from_code,
 )
 from pdserve.handoff.faults import SenderFaults
-from pdserve.handoff.kvcopy import PieceSpec, cache_rows, combine_digests, digest, plan_pieces
+from pdserve.handoff.kvcopy import cache_rows, combine_digests, digest
 from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
 from pdserve.handoff.peers import PeerLink
+from pdserve.handoff.piece_plan import PieceSpec, choose_plan
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
@@ -73,14 +74,23 @@ class HandoffSender:
 
     # ---- engine API --------------------------------------------------------------------
     def start_transfer(self, ticket: HandoffTicket, block_ids: Sequence[int], layout: KVLayout,
-                       *, layers_per_piece: int | None = None) -> OutboundTransfer:
+                       *, layers_per_piece: int | None = None,
+                       direct_min_bytes: int | None = None) -> OutboundTransfer:
         """Begin pushing ``block_ids`` (this worker's blocks, in the request's token order) to
-        the ticket's reservation. The receiver checks ``layout`` against what it reserved."""
+        the ticket's reservation. The receiver checks ``layout`` against what it reserved.
+
+        Planning overrides (benchmarks, tests): ``layers_per_piece`` forces staged pieces of
+        that many layers; ``direct_min_bytes`` replaces ``config.direct_min_piece_bytes``."""
         if len(block_ids) != ticket.num_blocks:
             raise ValueError(f"{len(block_ids)} source blocks for a ticket of {ticket.num_blocks}")
-        plan = plan_pieces(layout, ticket.num_blocks, self._config.min_piece_bytes,
-                           ticket.max_piece_bytes, layers_per_piece)
-        ids = torch.tensor([int(b) for b in block_ids], dtype=torch.int64, device=self._pool.device)
+        id_list = [int(b) for b in block_ids]
+        # Direct pieces need host memory on both sides (CUDA caches go through staging).
+        runs = ticket.block_runs if self._pool.device.type == "cpu" else ()
+        plan = choose_plan(layout, id_list, runs, min_piece_bytes=self._config.min_piece_bytes,
+                           max_piece_bytes=ticket.max_piece_bytes,
+                           direct_min_bytes=direct_min_bytes or self._config.direct_min_piece_bytes,
+                           layers_per_piece=layers_per_piece)
+        ids = torch.tensor(id_list, dtype=torch.int64, device=self._pool.device)
         transfer = OutboundTransfer(ticket, layout, ids, plan, self._pool,
                                     time.monotonic() + (ticket.deadline - time.time()))
         transfer.queue = asyncio.Queue()  # binds to the handoff loop on first use
@@ -152,7 +162,7 @@ class HandoffSender:
     def _enqueue(self, transfer: OutboundTransfer, item: ReadyPiece | FenceRequest) -> None:
         if transfer.pump_done:
             if isinstance(item, ReadyPiece):
-                self._pool.release(item.buffer)
+                self._release(item)
             return
         transfer.queue.put_nowait(item)
 
@@ -171,7 +181,7 @@ class HandoffSender:
                 item = await transfer.queue.get()
                 if item is None or transfer.error is not None:
                     if isinstance(item, ReadyPiece):
-                        self._pool.release(item.buffer)
+                        self._release(item)
                     break
                 if isinstance(item, FenceRequest):
                     link.send(Kind.FENCE, self._fence_body(transfer, item, records))
@@ -183,7 +193,7 @@ class HandoffSender:
     async def _announce(self, transfer: OutboundTransfer, link: PeerLink,
                         piece: ReadyPiece) -> tuple[PieceSpec, int, int]:
         spec, nbytes = piece.spec, piece.spec.nbytes(transfer.layout)
-        view = piece.buffer[:nbytes]
+        view = piece.payload
         if piece.digest is not None:
             piece_digest = piece.digest
         else:
@@ -192,13 +202,17 @@ class HandoffSender:
             try:
                 piece_digest = await asyncio.shield(job)
             except asyncio.CancelledError:
-                job.add_done_callback(lambda _: self._pool.release(piece.buffer))
+                job.add_done_callback(lambda _: self._release(piece))
                 raise
         if self._faults.corrupt_piece == spec.index:
-            view[nbytes // 2] ^= 0xFF  # after hashing: what a flipped bit on the wire looks like
+            # After hashing: what a flipped bit on the wire looks like (on a copy when the
+            # piece is the cache's own rows, which must stay intact).
+            view = view.copy() if piece.buffer is None else view
+            view[nbytes // 2] ^= 0xFF
         claimed = nbytes + (self._faults.inflate_piece_bytes if spec.index == 0 else 0)
         link.send(Kind.PIECE, {"tid": transfer.transfer_id, "index": spec.index,
                                "layers": [spec.layer_start, spec.layer_end],
+                               "kv": [spec.kv_start, spec.kv_end],
                                "blocks": [spec.block_start, spec.block_end],
                                "nbytes": claimed, "digest": piece_digest})
         # Every announced piece is sent, even after an abort: the receiver drains it.
@@ -213,16 +227,23 @@ class HandoffSender:
         """Bookkeeping of one payload send (a callback: runs even if cancelled unstarted)."""
         transfer.sends.discard(task)
         if task.cancelled():
-            self._pool.quarantine(piece.buffer)  # the peer may still read it: never reuse
+            # The peer may still read it: never reuse a staging buffer. (A direct piece's
+            # rows go back to the engine; a dead or late peer can read them, never write.)
+            if piece.buffer is not None:
+                self._pool.quarantine(piece.buffer)
         elif task.exception() is not None:
-            self._pool.release(piece.buffer)
+            self._release(piece)
             transfer.fail(HandoffPeerGoneError(
                 f"sending piece {piece.spec.index} failed: {task.exception()}"))
         else:
             transfer.bytes_sent += piece.spec.nbytes(transfer.layout)
             transfer.pieces_sent += 1
-            self._pool.release(piece.buffer)
+            self._release(piece)
         self._maybe_release(transfer)
+
+    def _release(self, piece: ReadyPiece) -> None:
+        if piece.buffer is not None:
+            self._pool.release(piece.buffer)
 
     def _fence_body(self, transfer: OutboundTransfer, fence: FenceRequest,
                     records: list[tuple[PieceSpec, int, int]]) -> dict[str, object]:
@@ -240,7 +261,7 @@ class HandoffSender:
         while not transfer.queue.empty():
             item = transfer.queue.get_nowait()
             if isinstance(item, ReadyPiece):
-                self._pool.release(item.buffer)
+                self._release(item)
         self._maybe_release(transfer)
 
     def _maybe_release(self, transfer: OutboundTransfer) -> None:

@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from pdserve.engine.kv_layout import KVLayout
+from pdserve.handoff.piece_plan import MAX_TICKET_RUNS
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class HandoffTicket:
     - ``max_piece_bytes``: the largest piece the receiver will stage; the sender plans under it.
     - ``deadline``: absolute Unix time (``time.time()`` seconds) after which the receiver fails
       the transfer and the sender stops waiting.
+    - ``block_runs``: lengths of the runs of consecutive ids in the reserved blocks (in token
+      order), so the sender can plan direct pieces; empty when they are too scattered.
     """
 
     request_id: str
@@ -45,6 +48,7 @@ class HandoffTicket:
     max_piece_bytes: int
     deadline: float
     layout: KVLayout
+    block_runs: tuple[int, ...] = ()
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -60,6 +64,11 @@ class HandoffTicket:
         expected = self.layout.num_local_layers * self.num_blocks * self.layout.block_bytes
         if self.expected_bytes != expected:
             raise ValueError(f"HandoffTicket.expected_bytes {self.expected_bytes} != {expected}")
+        runs = self.block_runs
+        if runs and (len(runs) > MAX_TICKET_RUNS or sum(runs) != self.num_blocks
+                     or any(not isinstance(r, int) or r <= 0 for r in runs)):
+            raise ValueError(f"HandoffTicket.block_runs must be at most {MAX_TICKET_RUNS} "
+                             f"positive run lengths summing to {self.num_blocks}")
         if self.protocol_version != PROTOCOL_VERSION:
             raise ValueError(
                 f"HandoffTicket protocol version {self.protocol_version} unsupported "
@@ -69,6 +78,7 @@ class HandoffTicket:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["layout"] = self.layout.to_dict()
+        data["block_runs"] = list(self.block_runs)
         return data
 
     @classmethod
@@ -90,6 +100,11 @@ class HandoffTicket:
             raise TypeError("HandoffTicket.receiver_address must be bytes")
         values["receiver_address"] = bytes(values["receiver_address"])
         values["deadline"] = float(values["deadline"])
+        runs = values.get("block_runs", ())
+        if not isinstance(runs, (list, tuple)) or len(runs) > MAX_TICKET_RUNS:
+            raise TypeError(f"HandoffTicket.block_runs must be a list of at most "
+                            f"{MAX_TICKET_RUNS} ints")
+        values["block_runs"] = tuple(runs)
         return cls(**values)
 
 

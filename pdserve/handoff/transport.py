@@ -27,6 +27,10 @@ from pdserve.handoff.wire import CONTROL_TAG, MAX_FRAME_BYTES, Kind, WireError, 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CONTROL_RING = 16  # control-frame receives kept posted (64 KiB each)
+# Probing for a direct piece's rendezvous: its header usually arrives just before it, so the
+# first probes come quickly, then back off to bound the CPU spent waiting on a slow sender.
+_PROBE_FIRST_DELAY_S = 50e-6
+_PROBE_MAX_DELAY_S = 2e-3
 FrameHandler = Callable[[Kind, bytes], None]
 
 
@@ -210,7 +214,7 @@ class HandoffTransport:
 
     # ---- UCX primitives (loop only) ----------------------------------------------------
     async def open_endpoint(self, address: bytes, peer_host: str) -> Any:
-        """An endpoint to a peer worker; shared memory and CMA when the peer is on this host."""
+        """An endpoint to a peer worker; shared memory when the peer is on this host."""
         import ucxx  # type: ignore[import-untyped]
 
         same_host = peer_host == self.host
@@ -229,13 +233,50 @@ class HandoffTransport:
         await _unpinned(endpoint.send(np.frombuffer(frame, dtype=np.uint8), tag=CONTROL_TAG,
                                       force_tag=True))
 
-    async def send_payload(self, endpoint: Any, buffer: torch.Tensor, tag: int) -> None:
+    async def send_payload(self, endpoint: Any, buffer: torch.Tensor | np.ndarray,
+                           tag: int) -> None:
         await _unpinned(endpoint.send(_ucx_buffer(buffer), tag=tag, force_tag=True))
 
     async def recv_payload(self, buffer: torch.Tensor, tag: int) -> None:
         import ucxx  # type: ignore[import-untyped]
 
         await _unpinned(ucxx.recv(_ucx_buffer(buffer), tag=tag))
+
+    async def probe(self, tag: int, give_up: Callable[[], bool]) -> Any | None:
+        """Wait for a message with ``tag`` and take it off UCX's unexpected queue without
+        receiving it (a rendezvous message's bytes stay with the sender until `recv_probed`).
+        None once ``give_up()`` is true. Nothing is posted meanwhile, so giving up leaves no
+        receive behind that could write into memory later."""
+        import ucxx  # type: ignore[import-untyped]
+
+        context = ucxx.core._get_ctx()
+        delay = 0.0
+        while not give_up():
+            info = context.tag_probe(tag, remove=True)
+            if info.matched:
+                return info
+            await asyncio.sleep(delay)
+            delay = min(_PROBE_MAX_DELAY_S, delay * 2 or _PROBE_FIRST_DELAY_S)
+        return None
+
+    def recv_probed(self, buffer: torch.Tensor | np.ndarray, probe: Any) -> asyncio.Future[Any]:
+        """Receive a probed message into ``buffer``. Returns the request's future: cancelling
+        an awaiter of it does not stop UCX writing, so callers track its end themselves."""
+        import ucxx  # type: ignore[import-untyped]
+
+        return asyncio.ensure_future(
+            _unpinned(ucxx.core._get_ctx().recv_with_handle(_ucx_buffer(buffer), probe)))
+
+    async def drain_probed(self, probe: Any) -> None:
+        """Consume a probed message into a 1-byte sink (truncated: nothing lands)."""
+        import ucxx  # type: ignore[import-untyped]
+
+        sink = np.empty(1, dtype=np.uint8)
+        with contextlib.suppress(ucxx.exceptions.UCXMessageTruncatedError):
+            await self.recv_probed(sink, probe)
+
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
 
     async def drain(self, tag: int) -> None:
         """Consume one message with ``tag`` into a 1-byte buffer: UCX truncates it, the sender's

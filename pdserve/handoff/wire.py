@@ -23,7 +23,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from pdserve.handoff.auth import MAC_BYTES, check_mac, mac
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 MAGIC = b"PDHO"
 MAX_FRAME_BYTES = 64 * 1024
 _HEAD = struct.Struct("<4sBBHIQ")
@@ -63,8 +63,8 @@ _SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.WELCOME: {"instance": int},
     Kind.REFUSED: {"reason": str},
     Kind.BEGIN: {"tid": int, "instance": int, "request_id": str, "layout": dict, "num_blocks": int},
-    Kind.PIECE: {"tid": int, "index": int, "layers": list, "blocks": list, "nbytes": int,
-                 "digest": int},
+    Kind.PIECE: {"tid": int, "index": int, "layers": list, "kv": list, "blocks": list,
+                 "nbytes": int, "digest": int},
     Kind.FENCE: {"tid": int, "num_pieces": int, "nbytes": int, "digest": int,
                  "first_token_id": int, "num_tokens": int},
     Kind.ABORT_TO_RECEIVER: {"tid": int, "code": str, "message": str},

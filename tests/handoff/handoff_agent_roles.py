@@ -114,10 +114,11 @@ class Roles:
 
     # ---- sender ---------------------------------------------------------------------------------
     def start(self, ticket: dict[str, Any], block_ids: list[int],
-              layers_per_piece: int | None = None) -> int:
+              layers_per_piece: int | None = None, direct_min_bytes: int | None = None) -> int:
         assert self.sender is not None and self.layout is not None
         transfer = self.sender.start_transfer(HandoffTicket.from_dict(ticket), block_ids,
-                                              self.layout, layers_per_piece=layers_per_piece)
+                                              self.layout, layers_per_piece=layers_per_piece,
+                                              direct_min_bytes=direct_min_bytes)
         handle = len(self.transfers)
         self.transfers[handle] = transfer
         return handle
@@ -138,10 +139,11 @@ class Roles:
         return True
 
     def push(self, tickets: list[dict[str, Any]], block_ids: list[list[int]],
-             first_token_id: int, layers_per_piece: int | None = None) -> dict[str, Any]:
+             first_token_id: int, layers_per_piece: int | None = None,
+             direct_min_bytes: int | None = None) -> dict[str, Any]:
         """start + every layer (all transfers per layer, like one batch) + fence."""
         assert self.layout is not None
-        handles = [self.start(t, ids, layers_per_piece)
+        handles = [self.start(t, ids, layers_per_piece, direct_min_bytes)
                    for t, ids in zip(tickets, block_ids, strict=True)]
         started = self.send_layers(handles, list(range(self.layout.num_local_layers)))
         self.fence(handles, first_token_id)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.handoff.kvcopy import digest, digest_and_scatter, gather_piece, piece_view, plan_pieces
+from pdserve.handoff.kvcopy import digest, digest_and_scatter, gather_piece, piece_view
+from pdserve.handoff.piece_plan import plan_pieces
 
 pytestmark = [
     pytest.mark.gpu,

@@ -18,7 +18,8 @@ from pdserve.handoff.errors import (
     HandoffProtocolError,
 )
 from pdserve.handoff.inbound import InboundState, InboundTransfer
-from pdserve.handoff.kvcopy import combine_digests, plan_pieces
+from pdserve.handoff.kvcopy import combine_digests
+from pdserve.handoff.piece_plan import plan_pieces
 
 LAYOUT = KVLayout("fp", "float16", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 SESSION = 11
@@ -37,9 +38,10 @@ def begin(record: InboundTransfer, **changes: object) -> None:
 
 
 def piece(index: int, layers: list[int], blocks: list[int], layout: KVLayout = LAYOUT,
-          digest: int = 0, nbytes: int | None = None) -> dict:
-    size = (layers[1] - layers[0]) * (blocks[1] - blocks[0]) * layout.block_bytes
-    return {"tid": 77, "index": index, "layers": layers, "blocks": blocks,
+          digest: int = 0, nbytes: int | None = None, kv: tuple[int, int] = (0, 2)) -> dict:
+    size = ((layers[1] - layers[0]) * (blocks[1] - blocks[0]) * (kv[1] - kv[0])
+            * layout.block_bytes // 2)
+    return {"tid": 77, "index": index, "layers": layers, "kv": list(kv), "blocks": blocks,
             "nbytes": size if nbytes is None else nbytes, "digest": digest}
 
 
@@ -66,7 +68,22 @@ def test_a_complete_transfer_becomes_ready_only_after_every_piece_landed() -> No
     assert record.finish(None, time.monotonic()) and record.state is InboundState.READY
     # The first outcome stands.
     assert not record.finish(HandoffCancelledError("late"), time.monotonic())
-    assert record.result.result(0) == info
+    assert not record.result.done()  # published only by settle()
+    record.settle()
+    assert record.result.result(0) == info and record.settled.is_set()
+
+
+def test_an_ended_transfer_settles_only_after_its_last_direct_write() -> None:
+    record = make_record()
+    begin(record)
+    assert record.begin_direct_write() and record.begin_direct_write()
+    assert record.finish(HandoffCancelledError("client left"), time.monotonic())
+    assert not record.begin_direct_write()  # nothing new starts once it ended
+    assert not record.end_direct_write()  # one write still running: not yet
+    assert record.end_direct_write()  # the last one: the caller settles now
+    record.settle()
+    with pytest.raises(HandoffCancelledError):
+        record.result.result(0)
 
 
 def test_layout_mismatch_names_the_field() -> None:

@@ -12,15 +12,14 @@ import xxhash
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.kvcopy import (
-    PieceSpec,
     check_contiguous,
     combine_digests,
     digest,
     digest_and_scatter,
     gather_piece,
     piece_view,
-    plan_pieces,
 )
+from pdserve.handoff.piece_plan import PieceSpec, plan_pieces
 from pdserve.handoff.transport import _ucx_buffer
 
 LAYOUT = KVLayout("fp", "bfloat16", block_size=4, num_layers=5, num_kv_heads=2, head_dim=8)

@@ -28,8 +28,9 @@ def make_ticket(**changes: object) -> HandoffTicket:
     return HandoffTicket(**values)  # type: ignore[arg-type]
 
 
-def test_ticket_round_trips_through_msgpack() -> None:
-    ticket = make_ticket()
+@pytest.mark.parametrize("runs", [(), (1, 2)])
+def test_ticket_round_trips_through_msgpack(runs: tuple[int, ...]) -> None:
+    ticket = make_ticket(block_runs=runs)
     wire = msgpack.unpackb(msgpack.packb(ticket.to_dict(), use_bin_type=True), raw=False)
     assert HandoffTicket.from_dict(wire) == ticket
 
@@ -38,7 +39,9 @@ def test_ticket_round_trips_through_msgpack() -> None:
     ({"transfer_id": 0}, "transfer_id"),
     ({"num_tokens": 49}, "do not fit"),
     ({"expected_bytes": 1}, "expected_bytes"),
-    ({"protocol_version": 2}, "protocol version"),
+    ({"protocol_version": 1}, "protocol version"),
+    ({"block_runs": (1, 1)}, "block_runs"),  # runs must cover the 3 reserved blocks
+    ({"block_runs": (3, 0)}, "block_runs"),
 ])
 def test_inconsistent_tickets_are_refused(changes: dict, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):

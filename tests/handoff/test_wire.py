@@ -23,7 +23,8 @@ from pdserve.handoff.wire import (
 )
 
 KEY = auth.session_key("secret", 7, b"s" * 16, b"r" * 16)
-PIECE = {"tid": 9, "index": 2, "layers": [0, 1], "blocks": [0, 3], "nbytes": 4096, "digest": 123}
+PIECE = {"tid": 9, "index": 2, "layers": [0, 1], "kv": [0, 2], "blocks": [0, 3], "nbytes": 4096,
+         "digest": 123}
 
 
 def test_signed_frame_round_trips() -> None:
