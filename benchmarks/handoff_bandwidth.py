@@ -6,8 +6,9 @@ Run: ``python benchmarks/handoff_bandwidth.py [--sizes 1,4,16,64,256] [--reps 5]
 Every number is the median over ``--reps`` runs after one warm-up, on one machine:
 - handoff: two spawned processes; from the first per-layer hook call on the sender to the
   receiver's ready future resolving (gather, digest, UCX transfer, digest check, scatter and
-  fence all included), with block ids scattered at random on both sides ("scattered") and
-  with each side's blocks in one run ("runs").
+  fence all included), with block ids scattered at random on both sides ("scattered": staged
+  pieces) and with each side's blocks in one run ("runs": direct pieces once a layer's K or V
+  reaches ``direct_min_piece_bytes``, i.e. from 32 blocks = 32 MiB here; staged below).
 - memcpy: ``np.copyto`` of the same number of bytes in this process (the ceiling).
 - tcp: two processes, ``sendall``/``recv_into`` over 127.0.0.1, first byte sent to last byte in.
 - ray: two Ray nodes started here (``ray.cluster_utils.Cluster``: separate raylets and object
@@ -327,9 +328,10 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(table(sizes, columns))
     if "ray" in columns:
-        ratios = [columns["handoff scattered"][s][0] / columns["ray"][s][0] for s in sizes]
-        print("\nhandoff (scattered) / ray object store: "
-              + ", ".join(f"{s} MiB {r:.1f}x" for s, r in zip(sizes, ratios, strict=True)))
+        for kind in ("scattered", "runs"):
+            ratios = [columns[f"handoff {kind}"][s][0] / columns["ray"][s][0] for s in sizes]
+            print(f"handoff ({kind}) / ray object store: "
+                  + ", ".join(f"{s} MiB {r:.1f}x" for s, r in zip(sizes, ratios, strict=True)))
 
 
 if __name__ == "__main__":
