@@ -95,7 +95,12 @@ class PeerLink:
         return task
 
     async def _send_raw(self, frame: bytes) -> None:
-        await self._transport.send_frame(self.endpoint, frame)
+        try:
+            await self._transport.send_frame(self.endpoint, frame)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a frame that cannot leave means the peer is gone
+            self.fail(HandoffPeerGoneError(f"control frame to the receiver failed: {exc}"))
 
     def ping_if_due(self, now: float) -> None:
         """Heartbeat, idle or not: the receiver forgets sessions that fall silent (its sender
