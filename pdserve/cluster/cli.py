@@ -34,7 +34,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the cluster from a YAML config")
-    p.add_argument("config", nargs="?", default=None, help="YAML config (default: configs/local.yaml)")
+    p.add_argument("config", nargs="?", default=None,
+                   help="YAML config (default: configs/local.yaml)")
     p.add_argument("--address", default="local",
                    help="Ray to use: 'local' starts a private one (default), 'auto' joins the "
                         "cluster on this machine (after `ray up` or `ray start`), or host:port")
@@ -71,7 +72,8 @@ def run_make_model(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     path = make_checkpoint(args.out_dir, family=args.family, size=args.size, seed=args.seed,
                            dtype=args.dtype)
-    print(f"wrote {args.family}/{args.size} checkpoint to {path} in {time.perf_counter() - start:.1f}s")
+    elapsed = time.perf_counter() - start
+    print(f"wrote {args.family}/{args.size} checkpoint to {path} in {elapsed:.1f}s")
     return 0
 
 
@@ -80,10 +82,12 @@ def run_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.engine_config import EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model_path=str(args.model), dtype=args.dtype, num_kv_blocks=256))
+    engine = LLMEngine(EngineConfig(model_path=str(args.model), dtype=args.dtype,
+                                    num_kv_blocks=256))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     ids = engine.tokenizer.encode(prompt)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
     start = time.perf_counter()
     [out] = engine.generate([ids], params)
     elapsed = time.perf_counter() - start

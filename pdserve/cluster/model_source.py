@@ -24,10 +24,12 @@ def resolve_model_path(cfg: PdserveConfig) -> str:
         return str(path)
     assert model.generate is not None
     gen = model.generate
-    path = Path(model.cache_dir).expanduser() / f"{gen.family}-{gen.size}-seed{gen.seed}-{model.dtype}"
+    name = f"{gen.family}-{gen.size}-seed{gen.seed}-{model.dtype}"
+    path = Path(model.cache_dir).expanduser() / name
     if not (path / "config.json").is_file():
         from pdserve.engine.checkpoint_maker import make_checkpoint
 
-        logger.info("generating a %s/%s checkpoint in %s (first run only)", gen.family, gen.size, path)
+        logger.info("generating a %s/%s checkpoint in %s (first run only)", gen.family, gen.size,
+                    path)
         make_checkpoint(path, gen.family, gen.size, seed=gen.seed, dtype=model.dtype)
     return str(path)

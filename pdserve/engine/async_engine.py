@@ -40,7 +40,8 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, layer_hook: LayerHook | None = None) -> None:
         self.engine = engine
         self.layer_hook = layer_hook
-        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
+            queue.SimpleQueue())
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopping = False

@@ -233,7 +233,9 @@ class LLMEngine:
         return self.scheduler.has_schedulable_requests
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], sampling_params: SamplingParams | Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams],
     ) -> list[list[int]]:
         """Run prompts to completion together; return each one's output token ids."""
         params = (
@@ -255,9 +257,10 @@ class LLMEngine:
 
     # ---- internals -----------------------------------------------------------------------
     def _note_scheduled(self, output: SchedulerOutput) -> None:
-        """Stamps first-schedule times, and keys each random draw to (seed, output index), not to a generator's history, so the
-        prefill worker's first token and the decode worker's later ones (or a recompute after
-        a failed handoff) come out exactly as one engine alone would draw them."""
+        """Stamps first-schedule times, and keys each random draw to (seed, output index), not
+        to a generator's history, so the prefill worker's first token and the decode worker's
+        later ones (or a recompute after a failed handoff) come out exactly as one engine
+        alone would draw them."""
         now = time.monotonic()
         for chunk in output.chunks:
             tracked = self._tracked.get(chunk.request.request_id)

@@ -48,7 +48,8 @@ class KVLayout:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BY_NAME:
-            raise ValueError(f"KV dtype {self.dtype!r} unsupported; use one of {sorted(DTYPE_BY_NAME)}")
+            raise ValueError(
+                f"KV dtype {self.dtype!r} unsupported; use one of {sorted(DTYPE_BY_NAME)}")
         for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "tp_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVLayout.{name} must be positive, got {getattr(self, name)}")
@@ -85,7 +86,8 @@ class KVLayout:
         return 2 * self.block_elements * self.element_size
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_local_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_local_layers, 2, num_blocks, self.block_size, self.num_kv_heads,
+                self.head_dim)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -57,7 +57,8 @@ class PrefixOwnerTable:
 
 
 def rank_by_affinity(replicas: Sequence[ReplicaT], owner: ReplicaT | None,
-                     queue_lens: Mapping[ReplicaT, int], max_imbalance: int) -> list[list[ReplicaT]]:
+                     queue_lens: Mapping[ReplicaT, int],
+                     max_imbalance: int) -> list[list[ReplicaT]]:
     """The prefix owner first, unless its queue is `max_imbalance` longer than the shortest
     (a cache hit is not worth waiting behind a backlog); then everyone else."""
     if owner is None or owner not in replicas:

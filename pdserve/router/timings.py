@@ -69,9 +69,9 @@ class RequestTimings:
                              f"got {self.status!r}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                if not math.isfinite(value) or value < 0:
-                    raise ValueError(f"{f.name} must be a finite number >= 0, got {value}")
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if numeric and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"{f.name} must be a finite number >= 0, got {value}")
         if self.prefix_hit_tokens > self.num_prompt_tokens:
             raise ValueError(f"prefix_hit_tokens ({self.prefix_hit_tokens}) exceeds "
                              f"num_prompt_tokens ({self.num_prompt_tokens})")

@@ -39,7 +39,8 @@ def prompts(loaded: LoadedModel) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoints: dict[str, str], family: str, prompts: list[list[int]]) -> list[list[int]]:
+def reference(tiny_checkpoints: dict[str, str], family: str,
+              prompts: list[list[int]]) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding effects)."""
     from transformers import AutoModelForCausalLM
 
@@ -58,7 +59,8 @@ def reference(tiny_checkpoints: dict[str, str], family: str, prompts: list[list[
 
 
 def make_engine(loaded: LoadedModel, path: str, **overrides: object) -> LLMEngine:
-    settings: dict[str, object] = {"block_size": 16, "num_kv_blocks": 512, "max_num_batched_tokens": 2048}
+    settings: dict[str, object] = {
+        "block_size": 16, "num_kv_blocks": 512, "max_num_batched_tokens": 2048}
     settings.update(overrides)
     return LLMEngine(EngineConfig(model_path=path, **settings), loaded=loaded)  # type: ignore[arg-type]
 
@@ -108,7 +110,8 @@ def test_chunked_prefill(loaded, tiny_checkpoints, family, prompts, reference, c
     assert_all_free(engine)
 
 
-def test_shared_prefix_computes_only_suffix(loaded, tiny_checkpoints, family, prompts, reference) -> None:
+def test_shared_prefix_computes_only_suffix(
+        loaded, tiny_checkpoints, family, prompts, reference) -> None:
     engine = make_engine(loaded, tiny_checkpoints[family], block_size=16)
     long_prompt = prompts[-1]
     assert engine.generate([long_prompt], GREEDY) == [reference[-1]]

@@ -102,9 +102,27 @@ class Roles:
             return {**outcome(exc), "ended_at": time.monotonic()}
         return {**outcome(info), "ended_at": time.monotonic()}
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str) -> bool | dict[str, Any]:
+        """True/False as `HandoffReceiver.cancel` returns, or the error it raised as data."""
         assert self.receiver is not None
-        return self.receiver.cancel(request_id)
+        try:
+            return self.receiver.cancel(request_id)
+        except HandoffError as exc:
+            return outcome(exc)
+
+    def stall_direct_write(self, request_id: str) -> bool:
+        """Stand in for a UCX receive into the blocks that never ends (a sender stalled
+        mid-message): what the receiver's write watchdog exists for."""
+        assert self.receiver is not None
+        record = self.receiver._by_request[request_id]
+        with record.write_lock:
+            return record.begin_direct_write()
+
+    def end_stalled_write(self, request_id: str) -> bool:
+        assert self.receiver is not None
+        record = self.receiver._by_request[request_id]
+        self.receiver._landing._direct_write_ended(record)
+        return record.settled.is_set()
 
     def receiver_stats(self) -> dict[str, Any]:
         assert self.receiver is not None

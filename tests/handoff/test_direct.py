@@ -151,3 +151,23 @@ def test_sender_killed_mid_direct_stream_releases_the_reservation(pair) -> None:
     assert outcome["ended_at"] <= reserved_at + deadline_s + 0.5
     assert outcome["blocks_released"]
     assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])
+
+
+def test_a_write_that_never_ends_quarantines_the_blocks_instead_of_releasing_them(pair) -> None:
+    receiver, _ = pair
+    rng = random.Random("direct-stall")
+    layout = random_layout(rng, "float16", num_layers=2)
+    receiver.call("make_cache", layout=layout.to_dict(), num_blocks=CACHE_BLOCKS, seed=3)
+    receiver.call("make_receiver")
+    dst = runs_of(rng, [3])
+    reserve(receiver, "stalled", dst, layout)
+    assert receiver.call("stall_direct_write", request_id="stalled")
+    started = receiver.call("now")
+    outcome = receiver.call("cancel", request_id="stalled")  # raises in the agent: reported
+    assert outcome["code"] == "cancelled" and outcome["blocks_released"] is False, outcome
+    assert receiver.call("now") - started >= 1.5  # waited peer_timeout_s for the write first
+    # Still counted as writable: nobody may reuse them while UCX might write.
+    assert set(dst) <= set(receiver.call("receiver_stats")["writable_block_ids"])
+    assert receiver.call("wait", request_id="stalled", timeout=1)["blocks_released"] is False
+    assert receiver.call("end_stalled_write", request_id="stalled")
+    assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])

@@ -58,7 +58,8 @@ def client(apps: ServedApps, app: str) -> openai.OpenAI:
                          timeout=120)
 
 
-def chat(apps: ServedApps, app: str, conv: list[dict[str, str]], stream: bool) -> tuple[str, object]:
+def chat(apps: ServedApps, app: str, conv: list[dict[str, str]],
+         stream: bool) -> tuple[str, object]:
     c = client(apps, app)
     kwargs = dict(model="tiny", messages=conv, max_tokens=MAX_TOKENS, temperature=0,
                   extra_body={"ignore_eos": True})
@@ -159,8 +160,9 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(served_apps: Serve
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"]
-    ok = httpx.post(url, json={"model": "tiny", "max_tokens": 2,
-                               "messages": [{"role": "user", "content": "still there?"}]}, timeout=60)
+    still_there = [{"role": "user", "content": "still there?"}]
+    ok = httpx.post(url, json={"model": "tiny", "max_tokens": 2, "messages": still_there},
+                    timeout=60)
     assert ok.status_code == 200
 
 

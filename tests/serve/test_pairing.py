@@ -17,7 +17,8 @@ def test_prefix_hashes_chain_and_stop_at_full_blocks() -> None:
     assert len(a) == 2 and a == b  # the partial third block never counts
     c = prefix_hashes([5] + list(range(1, 40)), block_size=16, max_blocks=8)
     assert c[0] != a[0] and c[1] != a[1]  # a change early on changes every later hash
-    assert prefix_hashes(list(range(100)), 16, max_blocks=3) == prefix_hashes(list(range(48)), 16, 3)
+    capped = prefix_hashes(list(range(100)), 16, max_blocks=3)
+    assert capped == prefix_hashes(list(range(48)), 16, 3)
 
 
 def test_owner_table_prefers_longest_live_prefix_and_forgets() -> None:
@@ -36,8 +37,9 @@ def test_owner_table_prefers_longest_live_prefix_and_forgets() -> None:
 
 
 def test_affinity_ranks_owner_first_unless_it_lags() -> None:
-    assert rank_by_affinity(["a", "b", "c"], "b", {"a": 0, "b": 2, "c": 1}, 4) == [["b"], ["a", "c"]]
-    assert rank_by_affinity(["a", "b", "c"], "b", {"a": 0, "b": 9, "c": 1}, 4) == [["a", "c"], ["b"]]
+    replicas = ["a", "b", "c"]
+    assert rank_by_affinity(replicas, "b", {"a": 0, "b": 2, "c": 1}, 4) == [["b"], ["a", "c"]]
+    assert rank_by_affinity(replicas, "b", {"a": 0, "b": 9, "c": 1}, 4) == [["a", "c"], ["b"]]
     assert rank_by_affinity(["a", "b"], None, {}, 4) == [["a", "b"]]
     assert rank_by_affinity(["a"], "a", {"a": 50}, 4) == [["a"]]
 
