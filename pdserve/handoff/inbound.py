@@ -60,6 +60,7 @@ class InboundTransfer:
     state: InboundState = InboundState.RESERVED
     error: HandoffError | None = None
     session_id: int | None = None
+    sender_pid: int | None = None  # from BEGIN; meaningful when the sender is on this host
     fence_info: FenceInfo | None = None
     finished_at: float | None = None
     write_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -116,6 +117,7 @@ class InboundTransfer:
             raise HandoffProtocolError(
                 f"sender has {body['num_blocks']} blocks, {self.num_blocks} were reserved")
         self.session_id = session_id
+        self.sender_pid = body["pid"]
         self.state = InboundState.RECEIVING
 
     def accept_piece(self, session_id: int, body: dict[str, Any]) -> PieceSpec:

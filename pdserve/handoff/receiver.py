@@ -228,12 +228,20 @@ class HandoffReceiver:
         self._transport.loop.call_later(self._config.peer_timeout_s, self._abandon, record)
 
     def _abandon(self, record: InboundTransfer) -> None:
-        """A direct write outlived its transfer by ``peer_timeout_s`` (its sender stalled
-        mid-message): UCX might still write, so the blocks are given up, never handed back:
-        they stay in `writable_block_ids` and the outcome says ``blocks_released=False``."""
+        """A direct write outlived its transfer by ``peer_timeout_s``: its sender stopped
+        mid-message (over shared memory, without endpoint error handling, UCX never fails
+        such a receive). If that sender was a process on this host and it is gone, nothing
+        can feed the receive any more: the blocks are released. Otherwise UCX might still
+        write, so they are given up, never handed back: they stay in `writable_block_ids`
+        and the outcome says ``blocks_released=False``."""
+        if record.sender_pid is not None and not process_alive(record.sender_pid):
+            log.info("handoff %s: sender process %d is gone; its %d stalled write(s) can "
+                     "never resume", record.request_id, record.sender_pid,
+                     record.writes_in_flight)
+            return self._settle(record)
         with record.write_lock:
             if record.settled.is_set() or record.writes_in_flight == 0:
-                return
+                return None
             cause = record.error or HandoffCancelledError("ended")
             record.error = type(cause)(
                 f"{cause}; a KV write into its blocks is still in flight, so they must not be "
@@ -242,6 +250,7 @@ class HandoffReceiver:
                   "blocks are quarantined", record.request_id, record.writes_in_flight,
                   self._config.peer_timeout_s, record.num_blocks)
         record.settle()
+        return None
 
     def _fail(self, record: InboundTransfer, error: HandoffError,
               session: SenderSession | None = None) -> None:
@@ -315,6 +324,9 @@ class HandoffReceiver:
             record.accept_begin(session.session_id, frame.body)
         except HandoffError as exc:
             self._fail(record, exc, session)
+            return
+        if session.host != self._transport.host:
+            record.sender_pid = None  # another host's pid says nothing here
 
     def _on_piece(self, record: InboundTransfer | None, frame: Frame,
                   session: SenderSession) -> None:
@@ -384,3 +396,21 @@ class HandoffReceiver:
             tid = int.from_bytes(os.urandom(4), "little")
             if tid and tid not in self._by_tid:
                 return tid
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host can still run (a zombie cannot)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: ask the kernel (a zombie then counts as alive)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return state not in ("Z", "X")

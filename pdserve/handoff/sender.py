@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -174,7 +175,7 @@ class HandoffSender:
             link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
                                    "request_id": ticket.request_id,
                                    "layout": transfer.layout.to_dict(),
-                                   "num_blocks": ticket.num_blocks})
+                                   "num_blocks": ticket.num_blocks, "pid": os.getpid()})
             transfer.begun = True
             records: list[tuple[PieceSpec, int, int]] = []
             while transfer.error is None:

@@ -149,6 +149,8 @@ def test_sender_killed_mid_direct_stream_releases_the_reservation(pair) -> None:
     outcome = receiver.call("wait", request_id="direct-orphan", timeout=deadline_s + 5)
     assert outcome["code"] in ("peer_gone", "timeout"), outcome
     assert outcome["ended_at"] <= reserved_at + deadline_s + 0.5
+    # Receives the dead sender left half-done never complete over shared memory; they are
+    # let go because its process is gone (not merely silent), so the blocks come back.
     assert outcome["blocks_released"]
     assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])
 
@@ -170,4 +172,21 @@ def test_a_write_that_never_ends_quarantines_the_blocks_instead_of_releasing_the
     assert set(dst) <= set(receiver.call("receiver_stats")["writable_block_ids"])
     assert receiver.call("wait", request_id="stalled", timeout=1)["blocks_released"] is False
     assert receiver.call("end_stalled_write", request_id="stalled")
+    assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])
+
+
+def test_a_stalled_write_of_a_dead_local_sender_is_let_go(pair) -> None:
+    receiver, _ = pair
+    (doomed,) = spawn_agents(None)
+    rng = random.Random("direct-dead-stall")
+    layout = random_layout(rng, "float16", num_layers=2)
+    setup_roles(receiver, doomed, layout, seed=7)
+    dst, src = runs_of(rng, [3]), runs_of(rng, [3])
+    ticket = reserve(receiver, "dead-stall", dst, layout, timeout_s=8)
+    doomed.call("start", ticket=ticket, block_ids=src, direct_min_bytes=ALWAYS_DIRECT)
+    wait_until(lambda: receiver.call("receiver_stats")["num_receiving"] == 1, 5, "begun")
+    assert receiver.call("stall_direct_write", request_id="dead-stall")  # a half-done receive
+    doomed.kill()  # and its sender is gone for good: nothing can feed that receive again
+    outcome = receiver.call("wait", request_id="dead-stall", timeout=15)
+    assert outcome["code"] == "peer_gone" and outcome["blocks_released"], outcome
     assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])

@@ -33,7 +33,7 @@ def make_record(num_blocks: int = 4, layout: KVLayout = LAYOUT) -> InboundTransf
 
 def begin(record: InboundTransfer, **changes: object) -> None:
     body = {"tid": 77, "instance": 5, "request_id": "req", "layout": LAYOUT.to_dict(),
-            "num_blocks": record.num_blocks, **changes}
+            "num_blocks": record.num_blocks, "pid": 1, **changes}
     record.accept_begin(SESSION, body)
 
 
@@ -168,7 +168,8 @@ def test_every_plan_is_accepted_and_covers_everything(num_blocks: int, num_layer
     record = make_record(num_blocks, layout)
     record.max_piece_bytes = max_piece
     record.accept_begin(SESSION, {"tid": 77, "instance": 5, "request_id": "req",
-                                  "layout": layout.to_dict(), "num_blocks": num_blocks})
+                                  "layout": layout.to_dict(), "num_blocks": num_blocks,
+                                  "pid": 1})
     headers = [piece(s.index, [s.layer_start, s.layer_end], [s.block_start, s.block_end],
                      layout, digest=s.index) for s in plan]
     record.accept_fence(SESSION, fence_for(record, headers))
