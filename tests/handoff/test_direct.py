@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 
 import pytest
 from conftest import spawn_agents
@@ -132,8 +133,18 @@ def test_deferred_free_holds_direct_source_rows_until_a_slow_receiver_took_them(
     assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
 
 
-def test_sender_killed_mid_direct_stream_releases_the_reservation(pair) -> None:
-    receiver, _ = pair
+@pytest.fixture
+def lone_receiver() -> Iterator[Agent]:
+    """A receiver process of its own, for tests that kill a sender mid-message: that can stall
+    the receiver's shared-memory transport for seconds (docs/handoff.md, "Limits"), which must
+    not spill into the next test."""
+    (agent,) = spawn_agents(None)
+    yield agent
+    agent.stop()
+
+
+def test_sender_killed_mid_direct_stream_releases_the_reservation(lone_receiver) -> None:
+    receiver = lone_receiver
     (doomed,) = spawn_agents(None)
     rng = random.Random("direct-kill")
     layout = random_layout(rng, "float32", num_layers=6, num_kv_heads=4, head_dim=64)
@@ -175,8 +186,8 @@ def test_a_write_that_never_ends_quarantines_the_blocks_instead_of_releasing_the
     assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])
 
 
-def test_a_stalled_write_of_a_dead_local_sender_is_let_go(pair) -> None:
-    receiver, _ = pair
+def test_a_stalled_write_of_a_dead_local_sender_is_let_go(lone_receiver) -> None:
+    receiver = lone_receiver
     (doomed,) = spawn_agents(None)
     rng = random.Random("direct-dead-stall")
     layout = random_layout(rng, "float16", num_layers=2)
