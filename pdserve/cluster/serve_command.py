@@ -6,6 +6,7 @@ The embedded default is configs/local.yaml: tiny model, CPU, local Ray, HTTP on 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -55,10 +56,13 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
     cfg = parse_config(data, source)
     url = start(cfg, address, data, check_fit)
     print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)", flush=True)
+    stop = threading.Event()
+    # SIGTERM too (process managers, `kill`), and SIGINT even where a background start left it
+    # ignored: either way Serve and the local Ray go down cleanly instead of being orphaned.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
     try:
-        threading.Event().wait()
-    except KeyboardInterrupt:
-        pass
+        stop.wait()
     finally:
         from ray import serve as ray_serve
 
