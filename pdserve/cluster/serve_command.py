@@ -52,16 +52,21 @@ def start(cfg: PdserveConfig, address: str = "local",
 
 
 def serve(config_path: str | None, address: str = "local", check_fit: bool = True) -> int:
+    import ray
+
     data, source = read_config_data(config_path)
     cfg = parse_config(data, source)
-    url = start(cfg, address, data, check_fit)
-    print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)", flush=True)
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
-    # SIGTERM too (process managers, `kill`), and SIGINT even where a background start left it
-    # ignored: either way Serve and the local Ray go down cleanly instead of being orphaned.
+    # After ray.init (which installs its own SIGTERM exit) and before the app starts: SIGTERM
+    # (process managers, `kill`) and SIGINT, even where a background start left it ignored,
+    # bring Serve and the local Ray down cleanly at any point instead of orphaning them.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
+        url = start(cfg, address, data, check_fit)
+        print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)",
+              flush=True)
         stop.wait()
     finally:
         from ray import serve as ray_serve
