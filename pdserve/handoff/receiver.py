@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,7 +34,16 @@ from pdserve.handoff.sessions import SenderSession, SessionTable
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import FenceInfo, HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
-from pdserve.handoff.wire import MAX_PIECES, Frame, Kind, WireError, data_tag, peek
+from pdserve.handoff.wire import (
+    MAX_PIECES,
+    PIECES_PER_FRAME,
+    Frame,
+    Kind,
+    WireError,
+    data_tag,
+    peek,
+    piece_header,
+)
 
 log = logging.getLogger(__name__)
 _ROLE_KINDS = (Kind.HELLO, Kind.PROOF, Kind.BEGIN, Kind.PIECE, Kind.FENCE,
@@ -298,7 +308,7 @@ class HandoffReceiver:
         if kind is Kind.BEGIN:
             self._on_begin(record, frame, session)
         elif kind is Kind.PIECE:
-            self._on_piece(record, frame, session)
+            self._on_pieces(record, frame, session)
         elif kind is Kind.FENCE and record is not None and not record.terminal:
             try:
                 record.accept_fence(session.session_id, frame.body)
@@ -328,21 +338,37 @@ class HandoffReceiver:
         if session.host != self._transport.host:
             record.sender_pid = None  # another host's pid says nothing here
 
-    def _on_piece(self, record: InboundTransfer | None, frame: Frame,
+    def _on_pieces(self, record: InboundTransfer | None, frame: Frame,
+                   session: SenderSession) -> None:
+        entries = frame.body["pieces"]
+        if len(entries) > PIECES_PER_FRAME:
+            if record is not None:
+                self._fail(record, HandoffProtocolError(
+                    f"{len(entries)} pieces in one frame (at most {PIECES_PER_FRAME})"), session)
+            return
+        for entry in entries:
+            try:
+                header = piece_header(entry)
+            except WireError as exc:
+                if record is not None:
+                    self._fail(record, HandoffProtocolError(str(exc)), session)
+                return
+            self._on_piece(record, frame.body["tid"], header, session)
+
+    def _on_piece(self, record: InboundTransfer | None, tid: int, header: dict[str, Any],
                   session: SenderSession) -> None:
-        index = frame.body["index"]
+        index = header["index"]
         if not 0 <= index < MAX_PIECES:
             if record is not None:
                 error = HandoffProtocolError(f"piece index {index} out of range")
                 self._fail(record, error, session)
             return
-        tid = frame.body["tid"]
         tag = data_tag(tid, index)
         if record is None or record.terminal:
             self._landing.drain(tid, tag)
             return
         try:
-            spec = record.accept_piece(session.session_id, frame.body)
+            spec = record.accept_piece(session.session_id, header)
         except HandoffError as exc:
             self._fail(record, exc, session)
             self._landing.drain(tid, tag)

@@ -30,7 +30,7 @@ from pdserve.handoff.piece_plan import PieceSpec, choose_plan
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
-from pdserve.handoff.wire import Kind, WireError, data_tag, peek
+from pdserve.handoff.wire import PIECES_PER_FRAME, Kind, WireError, data_tag, peek, piece_entry
 
 log = logging.getLogger(__name__)
 _ROLE_KINDS = (Kind.CHALLENGE, Kind.WELCOME, Kind.REFUSED, Kind.PONG, Kind.ABORT_TO_SENDER,
@@ -179,49 +179,80 @@ class HandoffSender:
             transfer.begun = True
             records: list[tuple[PieceSpec, int, int]] = []
             while transfer.error is None:
-                item = await transfer.queue.get()
-                if item is None or transfer.error is not None:
-                    if isinstance(item, ReadyPiece):
-                        self._release(item)
+                pieces, last = await self._next_items(transfer)
+                if transfer.error is not None:
+                    for piece in pieces:
+                        self._release(piece)
                     break
-                if isinstance(item, FenceRequest):
-                    link.send(Kind.FENCE, self._fence_body(transfer, item, records))
+                if pieces:
+                    records.extend(await self._announce(transfer, link, pieces))
+                if isinstance(last, FenceRequest):
+                    link.send(Kind.FENCE, self._fence_body(transfer, last, records))
                     break
-                records.append(await self._announce(transfer, link, item))
+                if last is None and not pieces:
+                    break  # woken to stop
         except HandoffError as exc:
             transfer.fail(exc)
 
+    @staticmethod
+    async def _next_items(transfer: OutboundTransfer,
+                          ) -> tuple[list[ReadyPiece], FenceRequest | None]:
+        """Every piece queued right now (one frame announces them all), and a fence if one
+        follows them. ([], None) is the wake-up to stop."""
+        item = await transfer.queue.get()
+        pieces: list[ReadyPiece] = []
+        while isinstance(item, ReadyPiece):
+            pieces.append(item)
+            if transfer.queue.empty() or len(pieces) == PIECES_PER_FRAME:
+                return pieces, None
+            item = transfer.queue.get_nowait()
+        return pieces, item
+
     async def _announce(self, transfer: OutboundTransfer, link: PeerLink,
-                        piece: ReadyPiece) -> tuple[PieceSpec, int, int]:
-        spec, nbytes = piece.spec, piece.spec.nbytes(transfer.layout)
-        view = piece.payload
-        if piece.digest is not None:
-            piece_digest = piece.digest
-        else:
-            job = asyncio.ensure_future(self._transport.run_payload(_wait_and_digest, view,
-                                                                    piece.event))
+                        pieces: list[ReadyPiece]) -> list[tuple[PieceSpec, int, int]]:
+        """One PIECE frame for ``pieces``, then their payload sends."""
+        records, entries, views = [], [], []
+        for position, piece in enumerate(pieces):
+            spec, nbytes = piece.spec, piece.spec.nbytes(transfer.layout)
             try:
-                piece_digest = await asyncio.shield(job)
-            except asyncio.CancelledError:
-                job.add_done_callback(lambda _: self._release(piece))
+                piece_digest = await self._digest(piece)
+            except asyncio.CancelledError:  # none announced yet; this one's digest job frees it
+                for unsent in pieces[:position] + pieces[position + 1:]:
+                    self._release(unsent)
                 raise
-        if self._faults.corrupt_piece == spec.index:
-            # After hashing: what a flipped bit on the wire looks like (on a copy when the
-            # piece is the cache's own rows, which must stay intact).
-            view = view.copy() if piece.buffer is None else view
-            view[nbytes // 2] ^= 0xFF
-        claimed = nbytes + (self._faults.inflate_piece_bytes if spec.index == 0 else 0)
-        link.send(Kind.PIECE, {"tid": transfer.transfer_id, "index": spec.index,
-                               "layers": [spec.layer_start, spec.layer_end],
-                               "kv": [spec.kv_start, spec.kv_end],
-                               "blocks": [spec.block_start, spec.block_end],
-                               "nbytes": claimed, "digest": piece_digest})
+            view = piece.payload
+            if self._faults.corrupt_piece == spec.index:
+                # After hashing: what a flipped bit on the wire looks like (on a copy when the
+                # piece is the cache's own rows, which must stay intact).
+                view = view.copy() if piece.buffer is None else view
+                view[nbytes // 2] ^= 0xFF
+            claimed = nbytes + (self._faults.inflate_piece_bytes if spec.index == 0 else 0)
+            entries.append(piece_entry(spec.index, (spec.layer_start, spec.layer_end),
+                                       (spec.kv_start, spec.kv_end),
+                                       (spec.block_start, spec.block_end), claimed,
+                                       piece_digest))
+            records.append((spec, nbytes, piece_digest))
+            views.append(view)
+        link.send(Kind.PIECE, {"tid": transfer.transfer_id, "pieces": entries})
         # Every announced piece is sent, even after an abort: the receiver drains it.
-        tag = data_tag(transfer.transfer_id, spec.index)
-        task = self._transport.spawn(self._transport.send_payload(link.endpoint, view, tag))
-        transfer.sends.add(task)
-        task.add_done_callback(lambda done: self._sent(transfer, piece, done))
-        return spec, nbytes, piece_digest
+        for piece, view in zip(pieces, views, strict=True):
+            tag = data_tag(transfer.transfer_id, piece.spec.index)
+            task = self._transport.spawn(self._transport.send_payload(link.endpoint, view, tag))
+            transfer.sends.add(task)
+            task.add_done_callback(lambda done, p=piece: self._sent(transfer, p, done))
+        return records
+
+    async def _digest(self, piece: ReadyPiece) -> int:
+        """The digest taken during the gather, or (CUDA) one taken now off the loop."""
+        if piece.digest is not None:
+            return piece.digest
+        job = asyncio.ensure_future(self._transport.run_payload(_wait_and_digest,
+                                                                piece.payload, piece.event))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda _: self._release(piece))
+            raise
 
     def _sent(self, transfer: OutboundTransfer, piece: ReadyPiece,
               task: asyncio.Task[None]) -> None:

@@ -31,6 +31,11 @@ _NAMESPACE = 0xD5 << 56
 CONTROL_TAG = _NAMESPACE | (1 << 48)
 _DATA_KIND = 2 << 48
 MAX_PIECES = 1 << 16
+# A PIECE frame announces this many pieces at most, each as PIECE_FIELDS ints (~80 bytes):
+# well under MAX_FRAME_BYTES.
+PIECES_PER_FRAME = 256
+PIECE_FIELDS = ("index", "layer_start", "layer_end", "kv_start", "kv_end", "block_start",
+                "block_end", "nbytes", "digest")
 
 
 class WireError(ValueError):
@@ -44,7 +49,7 @@ class Kind(enum.IntEnum):
     WELCOME = 4  # receiver -> sender (MAC'd: proves the receiver holds the token too)
     REFUSED = 5  # receiver -> sender: authentication failed
     BEGIN = 6  # sender -> receiver: transfer id, layout, block count
-    PIECE = 7  # sender -> receiver: one piece's bounds, size and digest
+    PIECE = 7  # sender -> receiver: pieces' bounds, sizes and digests (up to PIECES_PER_FRAME)
     FENCE = 8  # sender -> receiver: counts, combined digest, first token
     ABORT_TO_RECEIVER = 9  # sender gives up a transfer
     ABORT_TO_SENDER = 10  # receiver failed/cancelled a transfer: stop sending
@@ -64,8 +69,7 @@ _SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.REFUSED: {"reason": str},
     Kind.BEGIN: {"tid": int, "instance": int, "request_id": str, "layout": dict, "num_blocks": int,
                  "pid": int},
-    Kind.PIECE: {"tid": int, "index": int, "layers": list, "kv": list, "blocks": list,
-                 "nbytes": int, "digest": int},
+    Kind.PIECE: {"tid": int, "pieces": list},
     Kind.FENCE: {"tid": int, "num_pieces": int, "nbytes": int, "digest": int,
                  "first_token_id": int, "num_tokens": int},
     Kind.ABORT_TO_RECEIVER: {"tid": int, "code": str, "message": str},
@@ -74,6 +78,21 @@ _SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.PONG: {"seq": int},
     Kind.DONE: {"tid": int},
 }
+
+
+def piece_entry(index: int, layers: tuple[int, int], kv: tuple[int, int],
+                blocks: tuple[int, int], nbytes: int, digest: int) -> list[int]:
+    """One piece's announcement inside a PIECE frame (``PIECE_FIELDS`` order)."""
+    return [index, *layers, *kv, *blocks, nbytes, digest]
+
+
+def piece_header(entry: Any) -> dict[str, Any]:
+    """An announced piece as the named header the receiver checks; WireError if malformed."""
+    if (not isinstance(entry, list) or len(entry) != len(PIECE_FIELDS)
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
+        raise WireError(f"a PIECE entry must be {len(PIECE_FIELDS)} ints {PIECE_FIELDS}")
+    return {"index": entry[0], "layers": entry[1:3], "kv": entry[3:5], "blocks": entry[5:7],
+            "nbytes": entry[7], "digest": entry[8]}
 
 
 def data_tag(transfer_id: int, piece_index: int) -> int:

@@ -20,11 +20,12 @@ from pdserve.handoff.wire import (
     decode,
     encode,
     peek,
+    piece_entry,
+    piece_header,
 )
 
 KEY = auth.session_key("secret", 7, b"s" * 16, b"r" * 16)
-PIECE = {"tid": 9, "index": 2, "layers": [0, 1], "kv": [0, 2], "blocks": [0, 3], "nbytes": 4096,
-         "digest": 123}
+PIECE = {"tid": 9, "pieces": [piece_entry(2, (0, 1), (0, 2), (0, 3), 4096, 123)]}
 
 
 def test_signed_frame_round_trips() -> None:
@@ -59,13 +60,22 @@ def test_authenticated_kinds_need_a_key_both_ways() -> None:
 
 @pytest.mark.parametrize("body", [
     {**PIECE, "extra": 1},
-    {k: v for k, v in PIECE.items() if k != "digest"},
-    {**PIECE, "nbytes": True},  # a bool is not an int here
-    {**PIECE, "nbytes": "4096"},
+    {k: v for k, v in PIECE.items() if k != "pieces"},
+    {**PIECE, "tid": True},  # a bool is not an int here
+    {**PIECE, "pieces": "4096"},
 ])
 def test_schema_violations_are_rejected(body: dict) -> None:
     with pytest.raises(WireError):
         encode(Kind.PIECE, 1, body, KEY)
+
+
+def test_piece_entries_round_trip_and_malformed_ones_are_refused() -> None:
+    header = piece_header(piece_entry(5, (1, 2), (0, 1), (3, 9), 4096, 77))
+    assert header == {"index": 5, "layers": [1, 2], "kv": [0, 1], "blocks": [3, 9],
+                      "nbytes": 4096, "digest": 77}
+    for bad in ([5, 1, 2], [5, 1, 2, 0, 1, 3, 9, 4096, True], "entry", [5] * 10):
+        with pytest.raises(WireError, match="PIECE entry"):
+            piece_header(bad)
 
 
 def test_oversized_frames_cannot_be_built() -> None:
