@@ -29,6 +29,7 @@ from pdserve.handoff.errors import (
 from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundState, InboundTransfer
 from pdserve.handoff.landing import PieceLanding
+from pdserve.handoff.liveness import process_alive
 from pdserve.handoff.piece_plan import MAX_TICKET_RUNS, run_lengths
 from pdserve.handoff.sessions import SenderSession, SessionTable
 from pdserve.handoff.staging import StagingPool, StagingStats
@@ -423,20 +424,3 @@ class HandoffReceiver:
             if tid and tid not in self._by_tid:
                 return tid
 
-
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` on this host can still run (a zombie cannot)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    except OSError:  # no procfs: ask the kernel (a zombie then counts as alive)
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-    return state not in ("Z", "X")
