@@ -105,11 +105,6 @@ class OutboundTransfer:
                 self._direct_first[spec.index] = rows[0]
 
     @property
-    def num_direct_pieces(self) -> int:
-        """Pieces sent straight from the cache (no staging copy)."""
-        return len(self._direct_first)
-
-    @property
     def request_id(self) -> str:
         return self.ticket.request_id
 

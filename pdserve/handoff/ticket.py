@@ -65,8 +65,9 @@ class HandoffTicket:
         if self.expected_bytes != expected:
             raise ValueError(f"HandoffTicket.expected_bytes {self.expected_bytes} != {expected}")
         runs = self.block_runs
-        if runs and (len(runs) > MAX_TICKET_RUNS or sum(runs) != self.num_blocks
-                     or any(not isinstance(r, int) or r <= 0 for r in runs)):
+        well_typed = all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in runs)
+        if runs and (len(runs) > MAX_TICKET_RUNS or not well_typed
+                     or sum(runs) != self.num_blocks):
             raise ValueError(f"HandoffTicket.block_runs must be at most {MAX_TICKET_RUNS} "
                              f"positive run lengths summing to {self.num_blocks}")
         if self.protocol_version != PROTOCOL_VERSION:

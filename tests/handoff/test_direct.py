@@ -8,11 +8,14 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from conftest import spawn_agents
 from handoff_agent import Agent
 from handoff_cases import CACHE_BLOCKS, random_layout, reserve, setup_roles, wait_until
+
+from pdserve.engine.kv_layout import KVLayout
 
 pytestmark = pytest.mark.timeout(120)
 ALWAYS_DIRECT = 1  # direct_min_bytes: any run is worth a direct piece
@@ -30,6 +33,14 @@ def runs_of(rng: random.Random, lengths: list[int], exclude: set[int] | None = N
         runs.append(list(range(start, start + length)))
         taken.update(runs[-1])
     return [block for run in runs for block in run]
+
+
+def push_direct(receiver: Agent, sender: Agent, request_id: str, dst: list[int],
+                src: list[int], layout: KVLayout, first_token_id: int = 1) -> dict[str, Any]:
+    """Reserve ``dst`` and push ``src`` into it, every run sent as direct pieces."""
+    ticket = reserve(receiver, request_id, dst, layout)
+    return sender.call("push", tickets=[ticket], block_ids=[src],
+                       first_token_id=first_token_id, direct_min_bytes=ALWAYS_DIRECT)
 
 
 def pieces_landed(receiver: Agent) -> tuple[int, int]:
@@ -84,9 +95,7 @@ def test_cancel_during_a_direct_transfer_stops_all_writes(pair) -> None:
     setup_roles(receiver, sender, layout, seed=19, receiver_faults={"recv_delay_s": 1.0})
     dst, src = runs_of(rng, [5]), runs_of(rng, [5])
     before = receiver.call("read", block_ids=dst)
-    ticket = reserve(receiver, "direct-mid", dst, layout)
-    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
-                         direct_min_bytes=ALWAYS_DIRECT)
+    pushed = push_direct(receiver, sender, "direct-mid", dst, src, layout)
     wait_until(lambda: receiver.call("receiver_stats")["num_receiving"] == 1, 5, "begun")
     assert receiver.call("cancel", request_id="direct-mid")
     assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])
@@ -104,9 +113,7 @@ def test_direct_corruption_fails_with_a_digest_reason_and_spares_the_source(pair
     setup_roles(receiver, sender, layout, seed=31, sender_faults={"corrupt_piece": 3})
     dst, src = runs_of(rng, [4]), runs_of(rng, [4])
     source = sender.call("read", block_ids=src)
-    ticket = reserve(receiver, "direct-corrupt", dst, layout)
-    handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
-                         direct_min_bytes=ALWAYS_DIRECT)["handles"][0]
+    handle = push_direct(receiver, sender, "direct-corrupt", dst, src, layout)["handles"][0]
     outcome = receiver.call("wait", request_id="direct-corrupt", timeout=10)
     assert outcome["code"] == "digest" and "piece 3" in outcome["message"], outcome
     assert outcome["blocks_released"]
@@ -121,9 +128,7 @@ def test_deferred_free_holds_direct_source_rows_until_a_slow_receiver_took_them(
     delay = 1.0
     setup_roles(receiver, sender, layout, seed=13, receiver_faults={"recv_delay_s": delay})
     dst, src = runs_of(rng, [4]), runs_of(rng, [4])
-    ticket = reserve(receiver, "direct-slow", dst, layout)
-    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
-                         direct_min_bytes=ALWAYS_DIRECT)
+    pushed = push_direct(receiver, sender, "direct-slow", dst, src, layout)
     handle = pushed["handles"][0]
     time.sleep(delay / 2)  # observation point inside the receiver's delay, not a wait
     assert not sender.call("released", handle=handle), "source rows released before sent"

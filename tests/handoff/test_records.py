@@ -42,6 +42,7 @@ def test_ticket_round_trips_through_msgpack(runs: tuple[int, ...]) -> None:
     ({"protocol_version": 1}, "protocol version"),
     ({"block_runs": (1, 1)}, "block_runs"),  # runs must cover the 3 reserved blocks
     ({"block_runs": (3, 0)}, "block_runs"),
+    ({"block_runs": ("1", 2)}, "block_runs"),  # a clear error, not a TypeError from sum()
 ])
 def test_inconsistent_tickets_are_refused(changes: dict, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
