@@ -19,6 +19,7 @@ Every number is the median over ``--reps`` runs after one warm-up, on one machin
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import multiprocessing
 import os
@@ -53,8 +54,10 @@ def bench_layout() -> Any:
 
 
 # ---- child processes ------------------------------------------------------------------------
-def handoff_worker(conn: Any, role: str, num_cache_blocks: int) -> None:
-    """One handoff role in its own process, driven by (op, args) tuples over a pipe."""
+def handoff_worker(conn: Any, role: str, num_cache_blocks: int, reads: bool) -> None:
+    """One handoff role in its own process, driven by (op, args) tuples over a pipe.
+    ``reads``: the sender's cache is in shared memory and exported, so the receiver (same
+    host) reads the KV itself; otherwise the sender pushes it over UCX."""
     import torch
 
     from pdserve.handoff import (
@@ -70,6 +73,11 @@ def handoff_worker(conn: Any, role: str, num_cache_blocks: int) -> None:
     transport = HandoffTransport(HandoffConfig(**BENCH_CONFIG)).start()
     receiver = HandoffReceiver(transport, cache, layout) if role == "receiver" else None
     sender = HandoffSender(transport) if role == "sender" else None
+    if sender is not None and reads:
+        shared = transport.share_host_memory(cache.numel() * cache.element_size())
+        cache = shared.view(cache.dtype).view(cache.shape).copy_(cache)
+        if not sender.export_cache(cache):
+            raise RuntimeError("the shared cache could not be exported")
     stamps: dict[str, float] = {}
     conn.send("up")
     while True:
@@ -157,13 +165,14 @@ def measure_memcpy(sizes: list[int], reps: int) -> Rates:
     return results
 
 
-def measure_handoff(sizes: list[int], reps: int, contiguous: bool) -> Rates:
+def measure_handoff(sizes: list[int], reps: int, contiguous: bool, reads: bool) -> Rates:
     ctx = multiprocessing.get_context("spawn")
     num_cache_blocks = max(sizes) + 8
     pipes, processes = [], []
     for role in ("receiver", "sender"):
         parent, child = ctx.Pipe()
-        process = ctx.Process(target=handoff_worker, args=(child, role, num_cache_blocks))
+        process = ctx.Process(target=handoff_worker,
+                              args=(child, role, num_cache_blocks, reads))
         process.start()
         pipes.append(parent)
         processes.append(process)
@@ -195,7 +204,8 @@ def measure_handoff(sizes: list[int], reps: int, contiguous: bool) -> Rates:
                 if rep:  # the first run warms staging pools and links
                     timings.append(ready_at - started)
             results[size] = median_rate(size * MIB, timings)
-            report(f"handoff ({'runs' if contiguous else 'scattered'})", size, results[size])
+            name = f"{'read' if reads else 'push'} {'runs' if contiguous else 'scattered'}"
+            report(name, size, results[size])
         return results
     finally:
         for pipe in pipes:
@@ -315,8 +325,10 @@ def main(argv: list[str] | None = None) -> None:
           f"{os.cpu_count()} CPUs; median of {args.reps} runs", flush=True)
     steps: list[tuple[str, Callable[[], Rates]]] = [
         ("memcpy", lambda: measure_memcpy(sizes, args.reps)),
-        ("handoff scattered", lambda: measure_handoff(sizes, args.reps, contiguous=False)),
-        ("handoff runs", lambda: measure_handoff(sizes, args.reps, contiguous=True)),
+        *((f"{mode} {kind}", functools.partial(measure_handoff, sizes, args.reps,
+                                                 contiguous=kind == "runs",
+                                                 reads=mode == "read"))
+          for mode in ("read", "push") for kind in ("scattered", "runs")),
         ("tcp", lambda: measure_tcp(sizes, args.reps)),
     ]
     if not args.no_ray:
@@ -328,8 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(table(sizes, columns))
     if "ray" in columns:
-        for kind in ("scattered", "runs"):
-            ratios = [columns[f"handoff {kind}"][s][0] / columns["ray"][s][0] for s in sizes]
+        for kind in ("read scattered", "read runs", "push scattered", "push runs"):
+            ratios = [columns[kind][s][0] / columns["ray"][s][0] for s in sizes]
             print(f"handoff ({kind}) / ray object store: "
                   + ", ".join(f"{s} MiB {r:.1f}x" for s, r in zip(sizes, ratios, strict=True)))
 

@@ -8,7 +8,9 @@ Typical use (one `HandoffTransport` per process, started once):
     receiver = HandoffReceiver(transport, kv_cache, layout)      # decode worker
     ticket = receiver.reserve(request_id, block_ids, layout, num_tokens)
     ... ticket.to_dict() travels to a prefill worker ...
-    sender = HandoffSender(transport)                            # prefill worker
+    kv_cache = ...view of transport.share_host_memory(nbytes)... # prefill worker, optional:
+    sender = HandoffSender(transport)
+    sender.export_cache(kv_cache)       # same-host receivers then read the blocks themselves
     transfer = sender.start_transfer(HandoffTicket.from_dict(d), src_block_ids, layout)
     sender.send_layer(kv_cache, layer, [transfer])               # per layer, compute thread
     sender.send_fence(transfer, first_token_id)
@@ -35,6 +37,7 @@ from pdserve.handoff.receiver import HandoffReceiver, ReceiverStats
 from pdserve.handoff.sender import HandoffSender, SenderStats
 from pdserve.handoff.ticket import FenceInfo, HandoffTicket, SendResult
 from pdserve.handoff.transport import HandoffTransport
+from pdserve.handoff.ucp_memory import UcpMemoryError
 
 __all__ = [
     "FenceInfo",
@@ -57,4 +60,5 @@ __all__ = [
     "ReceiverStats",
     "SendResult",
     "SenderStats",
+    "UcpMemoryError",
 ]

@@ -67,6 +67,9 @@ class HandoffConfig:
     # and UCX bookkeeping on 2 busy cores, about what staging 1 MiB (two extra copies) costs:
     # measured equal at 1 MiB rows, direct 1.3-1.5x faster at 4 MiB, slower at 256 KiB.
     direct_min_piece_bytes: int = 1 * MIB
+    # Same-host receivers read the KV themselves from a prefill cache that lives in UCX shared
+    # memory (`HandoffSender.export_cache`): one copy, no message per piece (docs/handoff.md).
+    same_host_reads: bool = True
     finished_ttl_s: float = 60.0
     ucx_tls: str | None = None
     net_devices: str | None = None
@@ -131,6 +134,7 @@ class HandoffConfig:
         return cls(**values)
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 _ENV_FIELDS: dict[str, type] = {
     "auth_token": str,
     "default_timeout_s": float,
@@ -143,6 +147,7 @@ _ENV_FIELDS: dict[str, type] = {
     "max_piece_bytes": int,
     "min_piece_bytes": int,
     "direct_min_piece_bytes": int,
+    "same_host_reads": bool,
     "finished_ttl_s": float,
     "ucx_tls": str,
     "net_devices": str,
@@ -150,6 +155,10 @@ _ENV_FIELDS: dict[str, type] = {
 
 
 def _parse(name: str, kind: type, raw: str) -> Any:
+    if kind is bool:
+        if raw.strip().lower() not in _BOOLS:
+            raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not one of {sorted(_BOOLS)}")
+        return _BOOLS[raw.strip().lower()]
     try:
         return kind(raw)
     except ValueError as exc:

@@ -16,11 +16,15 @@ class SenderFaults:
 
     corrupt_piece: int | None = None
     inflate_piece_bytes: int = 0
+    source_address_shift: int = 0  # added to the cache address a SOURCE names (a lying peer)
 
 
 @dataclass(frozen=True)
 class ReceiverFaults:
-    """``recv_delay_s``: wait this long before posting the buffer of each piece (a slow or
-    overloaded receiver); the sender's rendezvous sends stay in flight meanwhile."""
+    """``recv_delay_s``: wait this long before posting the buffer of (or reading) each piece
+    (a slow or overloaded receiver); the sender's rendezvous sends stay in flight meanwhile.
+    ``corrupt_read_piece``: flip one byte of that piece as it is read from a same-host
+    sender's cache, before hashing (what a bad read looks like)."""
 
     recv_delay_s: float = 0.0
+    corrupt_read_piece: int | None = None

@@ -10,7 +10,7 @@ import concurrent.futures
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from pdserve.handoff.kvcopy import combine_digests
 from pdserve.handoff.piece_plan import PieceSpec, block_nbytes
 from pdserve.handoff.ticket import FenceInfo
 from pdserve.handoff.wire import MAX_PIECES
+
+if TYPE_CHECKING:
+    from pdserve.handoff.source_reads import ReadSource
 
 
 class InboundState(enum.Enum):
@@ -67,6 +70,7 @@ class InboundTransfer:
     result: concurrent.futures.Future[FenceInfo] = field(default_factory=concurrent.futures.Future)
     settled: threading.Event = field(default_factory=threading.Event)
     writes_in_flight: int = 0
+    source: ReadSource | None = None  # set: the receiver reads the pieces from the sender
     _pieces: dict[int, _Piece] = field(default_factory=dict)
     _announced_bytes: int = 0
     _fence: dict[str, Any] | None = None
@@ -120,9 +124,20 @@ class InboundTransfer:
         self.sender_pid = body["pid"]
         self.state = InboundState.RECEIVING
 
-    def accept_piece(self, session_id: int, body: dict[str, Any]) -> PieceSpec:
-        """Validate a PIECE header against the reservation; nothing is allocated before this."""
+    def accept_source(self, session_id: int, source: ReadSource) -> None:
+        """The sender offered its cache to read from (same host): before any piece."""
+        self._check_sender(session_id, "SOURCE")
+        if self.source is not None or self._pieces:
+            raise HandoffProtocolError("SOURCE after pieces, or twice")
+        self.source = source
+
+    def accept_piece(self, session_id: int, body: dict[str, Any], read: bool = False) -> PieceSpec:
+        """Validate a PIECE header against the reservation; nothing is allocated before this.
+        ``read``: the sender says the receiver reads this piece itself (needs a SOURCE)."""
         self._check_sender(session_id, "PIECE")
+        if read != (self.source is not None):
+            raise HandoffProtocolError(
+                "piece to be read without a SOURCE" if read else "pushed piece after a SOURCE")
         if self._fence is not None:
             raise HandoffProtocolError("piece announced after the fence")
         index, nbytes = body["index"], body["nbytes"]

@@ -15,11 +15,14 @@ import torch
 import xxhash
 
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.handoff.piece_plan import PieceSpec
+from pdserve.handoff.piece_plan import PieceSpec, common_segments, run_lengths
 
 # Digest and scatter walk a piece in chunks this size so the scatter reads what the hash just
 # pulled into cache (one DRAM pass instead of two on the receiver).
 CHUNK_BYTES = 1 << 20
+# Reads of a peer's cache copy and hash this much at a time: the hash then runs on bytes still
+# in L2 (measured on 2 cores: 6.3 GB/s copy+hash at 256 KiB, 5.4 at 1 MiB, 4.1 at 4 MiB).
+READ_CHUNK_BYTES = 256 << 10
 _PIECE_RECORD = struct.Struct("<9Q")
 
 
@@ -144,6 +147,75 @@ def digest_and_scatter(
                 hasher.update(chunk)
                 target[ids_np[start : start + rows_per_chunk]] = chunk
     return hasher.intdigest()
+
+
+def joint_runs(*ids: Sequence[int]) -> list[tuple[int, int]]:
+    """(position, length) of the stretches where every id list counts up by one together."""
+    if not len(ids[0]):
+        return []
+    lengths = common_segments(*(run_lengths(np.asarray(i).tolist()) for i in ids))
+    starts = np.cumsum([0, *lengths[:-1]]).tolist()
+    return list(zip(starts, lengths, strict=True))
+
+
+def digest_rows(rows: np.ndarray, ids: np.ndarray, spec: PieceSpec) -> int:
+    """xxh3-64 of a piece's bytes where they sit in a host cache (``rows`` from `cache_rows`,
+    ``ids`` the request's block ids), without gathering them: what a sender announces for a
+    piece the receiver reads itself. A run of consecutive ids is hashed as one span."""
+    hasher = xxhash.xxh3_64()
+    piece_ids = ids[spec.block_start:spec.block_end]
+    runs = [(int(piece_ids[p]), n) for p, n in joint_runs(piece_ids)]
+    for layer in range(spec.layer_start, spec.layer_end):
+        for kv in range(spec.kv_start, spec.kv_end):
+            plane = rows[layer, kv]
+            for first, length in runs:
+                hasher.update(plane[first:first + length])
+    return hasher.intdigest()
+
+
+def read_piece(src: np.ndarray, src_ids: np.ndarray, dst: np.ndarray, dst_ids: np.ndarray,
+               spec: PieceSpec, corrupt: bool = False) -> int:
+    """Copy a piece from a peer's cache rows ``src`` into ours ``dst`` (both from
+    `cache_rows`; ids already range-checked) and return the xxh3-64 of the bytes that landed.
+
+    Each `READ_CHUNK_BYTES` is hashed right after it was copied, while in cache: one DRAM read
+    and one write per byte. Where both sides' blocks run together the copy goes straight
+    between the caches; scattered blocks go through a cache-sized scratch (gather, hash,
+    scatter). ``corrupt`` (tests) flips a landed byte before hashing: a bad read.
+    """
+    s_ids = src_ids[spec.block_start:spec.block_end]
+    d_ids = dst_ids[spec.block_start:spec.block_end]
+    step = max(1, READ_CHUNK_BYTES // dst.shape[-1])
+    segments = joint_runs(s_ids, d_ids)
+    hasher = xxhash.xxh3_64()
+    scratch = None if 4 * len(s_ids) >= step * len(segments) else \
+        np.empty((step, dst.shape[-1]), dtype=np.uint8)
+    for layer in range(spec.layer_start, spec.layer_end):
+        for kv in range(spec.kv_start, spec.kv_end):
+            s_plane, d_plane = src[layer, kv], dst[layer, kv]
+            if scratch is None:
+                for position, length in segments:
+                    first_src, first_dst = int(s_ids[position]), int(d_ids[position])
+                    for offset in range(0, length, step):
+                        size = min(step, length - offset)
+                        out = d_plane[first_dst + offset:first_dst + offset + size]
+                        np.copyto(out, s_plane[first_src + offset:first_src + offset + size])
+                        corrupt = _flip_once(out, corrupt)
+                        hasher.update(out)
+                continue
+            for start in range(0, len(s_ids), step):
+                chunk = scratch[:min(step, len(s_ids) - start)]
+                np.take(s_plane, s_ids[start:start + step], axis=0, out=chunk, mode="clip")
+                corrupt = _flip_once(chunk, corrupt)
+                hasher.update(chunk)
+                d_plane[d_ids[start:start + step]] = chunk
+    return hasher.intdigest()
+
+
+def _flip_once(rows: np.ndarray, corrupt: bool) -> bool:
+    if corrupt:
+        rows[0, 0] ^= 0xFF
+    return False
 
 
 def byte_rows(tensor: torch.Tensor) -> np.ndarray:

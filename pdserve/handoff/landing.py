@@ -24,7 +24,13 @@ from pdserve.handoff.errors import (
 )
 from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundTransfer
-from pdserve.handoff.kvcopy import cache_rows, digest_and_scatter, piece_view, row_span
+from pdserve.handoff.kvcopy import (
+    cache_rows,
+    digest_and_scatter,
+    piece_view,
+    read_piece,
+    row_span,
+)
 from pdserve.handoff.piece_plan import PieceSpec, is_run
 from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.transport import HandoffTransport
@@ -55,6 +61,7 @@ class PieceLanding:
         self.num_drained = 0
         self.num_direct = 0  # pieces received straight into their blocks
         self.num_staged = 0  # pieces received into staging and scattered
+        self.num_read = 0  # pieces read from a same-host sender's cache
 
     def receive(self, record: InboundTransfer, spec: PieceSpec, tag: int) -> None:
         rows = record.block_id_list[spec.block_start:spec.block_end]
@@ -62,6 +69,10 @@ class PieceLanding:
             self._track(record.transfer_id, self._receive_direct(record, spec, tag, rows[0]))
         else:
             self._track(record.transfer_id, self._receive(record, spec, tag))
+
+    def read(self, record: InboundTransfer, specs: list[PieceSpec]) -> None:
+        """Copy pieces from the sender's exported cache (same host) into their blocks."""
+        self._track(record.transfer_id, self._read(record, specs))
 
     def drain(self, transfer_id: int, tag: int) -> None:
         self._track(transfer_id, self._drain(tag))
@@ -114,10 +125,7 @@ class PieceLanding:
             await self._transport.drain_probed(probe)
             self.num_drained += 1
             return None
-        rows = self._rows.get(record.layout)
-        if rows is None:
-            rows = self._rows[record.layout] = cache_rows(self._cache, record.layout)
-        view = row_span(rows, spec, first_block)
+        view = row_span(self._rows_for(record.layout), spec, first_block)
         write = self._transport.recv_probed(view, probe)
         write.add_done_callback(lambda _: self._direct_write_ended(record))
         try:
@@ -128,6 +136,45 @@ class PieceLanding:
             return self._fail(record, HandoffPeerGoneError(f"piece {spec.index} failed: {exc}"))
         self.num_direct += 1
         return self._verify(record, spec, xxhash.xxh3_64_intdigest(view))
+
+    async def _read(self, record: InboundTransfer, specs: list[PieceSpec]) -> None:
+        if self._faults.recv_delay_s:
+            await asyncio.sleep(self._faults.recv_delay_s)
+        # Off the loop (~1 ms per MiB of copy and hash); cancelling this task leaves the copy
+        # to finish under the write lock, which is what ending the transfer waits on.
+        job = asyncio.ensure_future(self._transport.run_payload(self._read_locked, record, specs))
+        try:
+            digests = await asyncio.shield(job)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("reading pieces of %r failed", record.request_id)
+            return self._fail(record, HandoffError(f"reading KV from the sender failed: {exc}"))
+        for spec, actual in zip(specs, digests, strict=False):  # none once the transfer ended
+            self.num_read += 1
+            self._verify(record, spec, actual)
+        return None
+
+    def _read_locked(self, record: InboundTransfer, specs: list[PieceSpec]) -> list[int]:
+        """Payload thread: each copy runs under the write lock of a live transfer only, so once
+        a transfer ended (and its ABORT told the sender to free) nothing reads or writes."""
+        digests = []
+        dst_ids = record.block_ids.numpy()
+        for spec in specs:
+            with record.write_lock:
+                if record.terminal or record.source is None:
+                    break
+                source = record.source
+                digests.append(read_piece(
+                    source.rows, source.ids, self._rows_for(record.layout), dst_ids, spec,
+                    corrupt=self._faults.corrupt_read_piece == spec.index))
+        return digests
+
+    def _rows_for(self, layout: KVLayout) -> np.ndarray:
+        rows = self._rows.get(layout)
+        if rows is None:
+            rows = self._rows[layout] = cache_rows(self._cache, layout)
+        return rows
 
     def _direct_write_ended(self, record: InboundTransfer) -> None:
         with record.write_lock:

@@ -22,6 +22,7 @@ from pdserve.handoff.errors import HandoffCapacityError, HandoffError, HandoffPr
 from pdserve.handoff.kvcopy import (
     byte_rows,
     checked_ids,
+    digest_rows,
     gather_piece,
     gather_rows,
     piece_view,
@@ -33,11 +34,23 @@ from pdserve.handoff.ticket import HandoffTicket, SendResult
 
 
 @dataclass(frozen=True)
+class SourceOffer:
+    """Where a same-host receiver reads a transfer's KV itself: the exported cache's region
+    (rkey), the cache's address in this process and its number of blocks."""
+
+    rkey: bytes
+    address: int
+    cache_blocks: int
+    cache: torch.Tensor  # the exported cache; `send_layer` must be given this one
+
+
+@dataclass(frozen=True)
 class ReadyPiece:
-    """A piece handed from the compute thread to the loop, ready to send."""
+    """A piece handed from the compute thread to the loop, ready to send (or to announce, for
+    a receiver that reads it itself: no payload then)."""
 
     spec: PieceSpec
-    payload: torch.Tensor | np.ndarray  # its contiguous bytes: staging, or the cache's rows
+    payload: torch.Tensor | np.ndarray | None  # contiguous bytes: staging or the cache's rows
     buffer: torch.Tensor | None  # the staging buffer (owned until released); None: direct
     event: Any  # torch.cuda.Event recorded after the gather, or None on host memory
     digest: int | None  # xxh3-64 taken during the gather, or None: hash it off-thread
@@ -68,6 +81,7 @@ class OutboundTransfer:
     plan: list[PieceSpec]
     pool: StagingPool
     deadline: float  # time.monotonic()
+    source: SourceOffer | None = None  # set: the receiver reads the pieces, nothing is sent
     released: concurrent.futures.Future[SendResult] = field(
         default_factory=concurrent.futures.Future)
     # compute-thread state, under _lock
@@ -144,6 +158,8 @@ class OutboundTransfer:
                 self._error = HandoffProtocolError(f"layer {layer} sent twice or out of range")
                 return []
             self._layers_done.add(layer)
+            if self.source is not None:
+                return self._read_layer_locked(cache, layer, src_rows)
             ready: list[ReadyPiece] = []
             for spec in self._by_layer.get(layer, ()):
                 first = self._direct_first.get(spec.index)
@@ -174,6 +190,24 @@ class OutboundTransfer:
                                             _record_event(buffer),
                                             None if hasher is None else hasher.intdigest()))
             return ready
+
+    def _read_layer_locked(self, cache: torch.Tensor, layer: int,
+                           src_rows: np.ndarray | None) -> list[ReadyPiece]:
+        """Pieces the receiver reads itself: only their digest is taken, once their last
+        layer is written (the receiver copies straight from these rows)."""
+        assert self.source is not None
+        if src_rows is None or cache.data_ptr() != self.source.cache.data_ptr():
+            self._error = HandoffProtocolError(
+                "send_layer got another cache than the exported one this transfer reads from")
+            return []
+        ready = []
+        for spec in self._by_layer.get(layer, ()):
+            done = self._gathered_layers.get(spec.index, 0) + 1
+            self._gathered_layers[spec.index] = done
+            if done == spec.num_layers:
+                ids = self._host_ids(src_rows.shape[2])
+                ready.append(ReadyPiece(spec, None, None, None, digest_rows(src_rows, ids, spec)))
+        return ready
 
     def _host_ids(self, num_cache_blocks: int) -> np.ndarray:
         if self._ids_np is None:

@@ -14,6 +14,11 @@ from pdserve.engine.kv_layout import KVLayout
 # A ticket lists the receiver's block runs only up to this many; beyond it the blocks are too
 # scattered for direct pieces to pay, and the ticket says so with an empty list.
 MAX_TICKET_RUNS = 256
+# Pieces a same-host receiver reads itself group layers up to this size: a piece costs a
+# header and a payload-thread job (~0.2-0.3 ms on 2 busy cores), while smaller pieces start
+# the reads sooner. Measured (32-layer fp16 KV, medians of 3): 16 MiB transfers 18 ms with
+# one layer per piece, 11 ms at 4 MiB, 14 ms at 8 MiB; 64 MiB 37 / 28 / 28 ms.
+READ_MIN_PIECE_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -76,11 +81,11 @@ def is_run(block_ids: Sequence[int]) -> bool:
     return all(b == block_ids[0] + i for i, b in enumerate(block_ids))
 
 
-def common_segments(sender_runs: Sequence[int], receiver_runs: Sequence[int]) -> list[int]:
-    """Split points where both sides' blocks are consecutive: the lengths of the segments
-    between every run boundary of either side."""
+def common_segments(*run_lists: Sequence[int]) -> list[int]:
+    """Split points where every side's blocks are consecutive (typically the sender's and the
+    receiver's runs): the lengths of the segments between every run boundary of any side."""
     cuts = set()
-    for runs in (sender_runs, receiver_runs):
+    for runs in run_lists:
         position = 0
         for length in runs:
             position += length

@@ -30,8 +30,9 @@ from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundState, InboundTransfer
 from pdserve.handoff.landing import PieceLanding
 from pdserve.handoff.liveness import process_alive
-from pdserve.handoff.piece_plan import MAX_TICKET_RUNS, run_lengths
+from pdserve.handoff.piece_plan import MAX_TICKET_RUNS, PieceSpec, run_lengths
 from pdserve.handoff.sessions import SenderSession, SessionTable
+from pdserve.handoff.source_reads import SourceMaps
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import FenceInfo, HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
@@ -47,7 +48,7 @@ from pdserve.handoff.wire import (
 )
 
 log = logging.getLogger(__name__)
-_ROLE_KINDS = (Kind.HELLO, Kind.PROOF, Kind.BEGIN, Kind.PIECE, Kind.FENCE,
+_ROLE_KINDS = (Kind.HELLO, Kind.PROOF, Kind.BEGIN, Kind.SOURCE, Kind.PIECE, Kind.FENCE,
                Kind.ABORT_TO_RECEIVER, Kind.PING)
 
 
@@ -60,6 +61,7 @@ class ReceiverStats:
     num_drained: int
     num_direct_pieces: int  # received straight into reserved blocks
     num_staged_pieces: int  # received into staging, then scattered
+    num_read_pieces: int  # read from a same-host sender's cache
     num_refused_peers: int
     num_rejected_frames: int
     staging: StagingStats
@@ -89,6 +91,7 @@ class HandoffReceiver:
         self._landing = PieceLanding(transport, cache, self._pool, self._faults, self._fail,
                                      self._maybe_ready, self._settle)
         self._sessions = SessionTable(transport)
+        self._sources = SourceMaps(transport)
         self._lock = threading.Lock()  # guards the three registries below
         self._by_request: dict[str, InboundTransfer] = {}
         self._by_tid: dict[int, InboundTransfer] = {}
@@ -118,6 +121,7 @@ class HandoffReceiver:
             raise ValueError(f"deadline {deadline} is already past")
         max_piece = min(self._config.max_piece_bytes, self._config.receiver_staging_bytes)
         runs = run_lengths(ids) if not self._cache.is_cuda else []  # CUDA: staged pieces only
+        reads = self._config.same_host_reads and not self._cache.is_cuda
         block_runs = tuple(runs) if len(runs) <= MAX_TICKET_RUNS else ()
         with self._lock:
             current = self._by_request.get(request_id)
@@ -133,7 +137,7 @@ class HandoffReceiver:
             ticket = HandoffTicket(
                 request_id, record.transfer_id, self._transport.address,
                 self._transport.instance_id, self._transport.host, len(ids), num_tokens,
-                record.expected_bytes, max_piece, deadline, layout, block_runs)
+                record.expected_bytes, max_piece, deadline, layout, block_runs, reads)
             self._by_request[request_id] = record
             self._by_tid[record.transfer_id] = record
             self._writable.update(ids)
@@ -206,7 +210,8 @@ class HandoffReceiver:
             receiving = sum(r.state is InboundState.RECEIVING for r in self._by_request.values())
         return ReceiverStats(active, receiving, self._counts["ready"], self._counts["failed"],
                              self._landing.num_drained, self._landing.num_direct,
-                             self._landing.num_staged, self._sessions.num_refused,
+                             self._landing.num_staged, self._landing.num_read,
+                             self._sessions.num_refused,
                              self._counts["rejected"], self._pool.stats())
 
     # ---- ending a transfer ---------------------------------------------------------------
@@ -308,6 +313,13 @@ class HandoffReceiver:
         record = self._by_tid.get(frame.body["tid"])
         if kind is Kind.BEGIN:
             self._on_begin(record, frame, session)
+        elif kind is Kind.SOURCE and record is not None and not record.terminal:
+            try:
+                source = self._sources.source_for(session, record.layout, record.num_blocks,
+                                                  frame.body)
+                record.accept_source(session.session_id, source)
+            except HandoffError as exc:
+                self._fail(record, exc, session)
         elif kind is Kind.PIECE:
             self._on_pieces(record, frame, session)
         elif kind is Kind.FENCE and record is not None and not record.terminal:
@@ -347,6 +359,7 @@ class HandoffReceiver:
                 self._fail(record, HandoffProtocolError(
                     f"{len(entries)} pieces in one frame (at most {PIECES_PER_FRAME})"), session)
             return
+        to_read = []
         for entry in entries:
             try:
                 header = piece_header(entry)
@@ -354,27 +367,38 @@ class HandoffReceiver:
                 if record is not None:
                     self._fail(record, HandoffProtocolError(str(exc)), session)
                 return
-            self._on_piece(record, frame.body["tid"], header, session)
+            spec = self._on_piece(record, frame.body["tid"], header, session, frame.body["read"])
+            if spec is not None:
+                to_read.append(spec)
+        if to_read and record is not None:
+            self._landing.read(record, to_read)  # one payload job for the frame's pieces
 
     def _on_piece(self, record: InboundTransfer | None, tid: int, header: dict[str, Any],
-                  session: SenderSession) -> None:
+                  session: SenderSession, read: bool) -> PieceSpec | None:
+        """Check one announced piece; a pushed one is received (or drained) right away, a
+        piece to read is returned for the caller to read with the rest of its frame."""
         index = header["index"]
         if not 0 <= index < MAX_PIECES:
             if record is not None:
                 error = HandoffProtocolError(f"piece index {index} out of range")
                 self._fail(record, error, session)
-            return
+            return None
         tag = data_tag(tid, index)
         if record is None or record.terminal:
-            self._landing.drain(tid, tag)
-            return
+            if not read:  # a read piece has no payload to drain
+                self._landing.drain(tid, tag)
+            return None
         try:
-            spec = record.accept_piece(session.session_id, header)
+            spec = record.accept_piece(session.session_id, header, read)
         except HandoffError as exc:
             self._fail(record, exc, session)
-            self._landing.drain(tid, tag)
-            return
+            if not read:
+                self._landing.drain(tid, tag)
+            return None
+        if read:
+            return spec
         self._landing.receive(record, spec, tag)
+        return None
 
     def _maybe_ready(self, record: InboundTransfer) -> None:
         if not record.terminal and record.completion() is not None:
@@ -401,6 +425,7 @@ class HandoffReceiver:
                     busy.add(record.session_id)
             for session_id in silent - busy:
                 self._sessions.drop(session_id)
+                self._sources.forget(session_id)
             self._forget_finished(records, now)
 
     def _forget_finished(self, records: list[InboundTransfer], now: float) -> None:
@@ -417,6 +442,7 @@ class HandoffReceiver:
             records = list(self._by_request.values())
         for record in records:
             self._finish(record, HandoffCancelledError("decode handoff receiver shutting down"))
+        self._sources.forget_all()
 
     def _new_transfer_id(self) -> int:
         while True:

@@ -24,13 +24,21 @@ from pdserve.handoff.errors import (
 )
 from pdserve.handoff.faults import SenderFaults
 from pdserve.handoff.kvcopy import cache_rows, combine_digests, digest
-from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
+from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece, SourceOffer
 from pdserve.handoff.peers import PeerLink
-from pdserve.handoff.piece_plan import PieceSpec, choose_plan
+from pdserve.handoff.piece_plan import READ_MIN_PIECE_BYTES, PieceSpec, choose_plan, plan_pieces
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
-from pdserve.handoff.wire import PIECES_PER_FRAME, Kind, WireError, data_tag, peek, piece_entry
+from pdserve.handoff.wire import (
+    MAX_SOURCE_BLOCKS,
+    PIECES_PER_FRAME,
+    Kind,
+    WireError,
+    data_tag,
+    peek,
+    piece_entry,
+)
 
 log = logging.getLogger(__name__)
 _ROLE_KINDS = (Kind.CHALLENGE, Kind.WELCOME, Kind.REFUSED, Kind.PONG, Kind.ABORT_TO_SENDER,
@@ -69,34 +77,64 @@ class HandoffSender:
         self._active: dict[int, OutboundTransfer] = {}  # loop only, by transfer id
         self._counts = {"ok": 0, "failed": 0}
         self._heartbeat: asyncio.Task[None] | None = None
+        self._exported: SourceOffer | None = None
         transport.register(_ROLE_KINDS, self._on_frame)
         transport.on_shutdown(self._on_shutdown)
         transport.call_soon(self._start_heartbeats)
 
     # ---- engine API --------------------------------------------------------------------
+    def export_cache(self, cache: torch.Tensor) -> bool:
+        """Let receivers on this host read ``cache``'s blocks themselves (one copy, no message
+        per piece) instead of receiving pushed pieces. Needs the cache in memory from
+        `HandoffTransport.share_host_memory`; returns whether it is (else pushes as before)."""
+        region = self._transport.shared_region(cache)
+        if region is None or not cache.is_contiguous() or cache.dim() != 6:
+            self._exported = None
+            return False
+        self._exported = SourceOffer(region.rkey, cache.data_ptr(), cache.shape[2], cache)
+        return True
+
     def start_transfer(self, ticket: HandoffTicket, block_ids: Sequence[int], layout: KVLayout,
                        *, layers_per_piece: int | None = None,
-                       direct_min_bytes: int | None = None) -> OutboundTransfer:
-        """Begin pushing ``block_ids`` (this worker's blocks, in the request's token order) to
-        the ticket's reservation. The receiver checks ``layout`` against what it reserved.
+                       direct_min_bytes: int | None = None,
+                       allow_reads: bool = True) -> OutboundTransfer:
+        """Begin the handoff of ``block_ids`` (this worker's blocks, in the request's token
+        order) to the ticket's reservation. The receiver checks ``layout`` against what it
+        reserved. A receiver on this host reads an exported cache itself; others get pushes.
 
-        Planning overrides (benchmarks, tests): ``layers_per_piece`` forces staged pieces of
-        that many layers; ``direct_min_bytes`` replaces ``config.direct_min_piece_bytes``."""
+        Overrides (benchmarks, tests): ``layers_per_piece`` forces pieces of that many layers
+        (staged ones when pushed); ``direct_min_bytes`` replaces ``config.direct_min_piece_bytes``;
+        ``allow_reads=False`` pushes even where the receiver could read."""
         if len(block_ids) != ticket.num_blocks:
             raise ValueError(f"{len(block_ids)} source blocks for a ticket of {ticket.num_blocks}")
         id_list = [int(b) for b in block_ids]
-        # Direct pieces need host memory on both sides (CUDA caches go through staging).
-        runs = ticket.block_runs if self._pool.device.type == "cpu" else ()
-        plan = choose_plan(layout, id_list, runs, min_piece_bytes=self._config.min_piece_bytes,
-                           max_piece_bytes=ticket.max_piece_bytes,
-                           direct_min_bytes=direct_min_bytes or self._config.direct_min_piece_bytes,
-                           layers_per_piece=layers_per_piece)
+        source = self._source_for(ticket, layout) if allow_reads else None
+        if source is not None:
+            plan = plan_pieces(layout, len(id_list), READ_MIN_PIECE_BYTES,
+                               ticket.max_piece_bytes, layers_per_piece)
+        else:
+            # Direct pieces need host memory on both sides (CUDA caches go through staging).
+            runs = ticket.block_runs if self._pool.device.type == "cpu" else ()
+            plan = choose_plan(
+                layout, id_list, runs, min_piece_bytes=self._config.min_piece_bytes,
+                max_piece_bytes=ticket.max_piece_bytes,
+                direct_min_bytes=direct_min_bytes or self._config.direct_min_piece_bytes,
+                layers_per_piece=layers_per_piece)
         ids = torch.tensor(id_list, dtype=torch.int64, device=self._pool.device)
         transfer = OutboundTransfer(ticket, layout, ids, plan, self._pool,
-                                    time.monotonic() + (ticket.deadline - time.time()))
+                                    time.monotonic() + (ticket.deadline - time.time()), source)
         transfer.queue = asyncio.Queue()  # binds to the handoff loop on first use
         self._transport.call_soon(self._begin, transfer)  # runs before any later call_soon
         return transfer
+
+    def _source_for(self, ticket: HandoffTicket, layout: KVLayout) -> SourceOffer | None:
+        offer = self._exported
+        usable = (offer is not None and self._config.same_host_reads and ticket.reads_source
+                  and ticket.receiver_host == self._transport.host
+                  and ticket.num_blocks <= MAX_SOURCE_BLOCKS
+                  and tuple(offer.cache.shape) == layout.cache_shape(offer.cache_blocks)
+                  and offer.cache.dtype == layout.torch_dtype)
+        return offer if usable else None
 
     def send_layer(self, cache: torch.Tensor, layer: int,
                    transfers: Sequence[OutboundTransfer]) -> None:
@@ -177,6 +215,12 @@ class HandoffSender:
                                    "layout": transfer.layout.to_dict(),
                                    "num_blocks": ticket.num_blocks, "pid": os.getpid()})
             transfer.begun = True
+            if transfer.source is not None:
+                link.send(Kind.SOURCE, {
+                    "tid": ticket.transfer_id, "rkey": transfer.source.rkey,
+                    "address": transfer.source.address + self._faults.source_address_shift,
+                    "cache_blocks": transfer.source.cache_blocks,
+                    "blocks": transfer.block_ids.numpy().astype("<u4").tobytes()})
             records: list[tuple[PieceSpec, int, int]] = []
             while transfer.error is None:
                 pieces, last = await self._next_items(transfer)
@@ -221,7 +265,7 @@ class HandoffSender:
                     self._release(unsent)
                 raise
             view = piece.payload
-            if self._faults.corrupt_piece == spec.index:
+            if self._faults.corrupt_piece == spec.index and view is not None:
                 # After hashing: what a flipped bit on the wire looks like (on a copy when the
                 # piece is the cache's own rows, which must stay intact).
                 view = view.copy() if piece.buffer is None else view
@@ -233,7 +277,12 @@ class HandoffSender:
                                        piece_digest))
             records.append((spec, nbytes, piece_digest))
             views.append(view)
-        link.send(Kind.PIECE, {"tid": transfer.transfer_id, "pieces": entries})
+        reads = transfer.source is not None
+        link.send(Kind.PIECE, {"tid": transfer.transfer_id, "pieces": entries, "read": reads})
+        if reads:  # the receiver copies them from the exported cache
+            transfer.bytes_sent += sum(record[1] for record in records)
+            transfer.pieces_sent += len(records)
+            return records
         # Every announced piece is sent, even after an abort: the receiver drains it.
         for piece, view in zip(pieces, views, strict=True):
             tag = data_tag(transfer.transfer_id, piece.spec.index)

@@ -10,7 +10,7 @@ from typing import Any
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.piece_plan import MAX_TICKET_RUNS
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class HandoffTicket:
       the transfer and the sender stops waiting.
     - ``block_runs``: lengths of the runs of consecutive ids in the reserved blocks (in token
       order), so the sender can plan direct pieces; empty when they are too scattered.
+    - ``reads_source``: the receiver can read the KV itself from a sender on its host whose
+      cache is in shared memory (host caches only); the sender then offers its cache.
     """
 
     request_id: str
@@ -49,6 +51,7 @@ class HandoffTicket:
     deadline: float
     layout: KVLayout
     block_runs: tuple[int, ...] = ()
+    reads_source: bool = False
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -106,6 +109,8 @@ class HandoffTicket:
             raise TypeError(f"HandoffTicket.block_runs must be a list of at most "
                             f"{MAX_TICKET_RUNS} ints")
         values["block_runs"] = tuple(runs)
+        if not isinstance(values.get("reads_source", False), bool):
+            raise TypeError("HandoffTicket.reads_source must be a bool")
         return cls(**values)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from pdserve.handoff.config import HandoffConfig
 from pdserve.handoff.kvcopy import check_contiguous
+from pdserve.handoff.ucp_memory import PeerMemory, SharedHostMemory
 from pdserve.handoff.wire import CONTROL_TAG, MAX_FRAME_BYTES, Kind, WireError, peek
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class HandoffTransport:
         self._shutdown_hooks: list[Callable[[], None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._endpoints: list[Any] = []
+        self._shared: list[SharedHostMemory] = []
+        self._shared_lock = threading.Lock()
         self._address = b""
         self._started = False
         self._stopped = False
@@ -277,6 +280,40 @@ class HandoffTransport:
 
     def on_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
+
+    # ---- memory a same-host peer can map -------------------------------------------------
+    def share_host_memory(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of zeroed host memory that same-host peers can map (a uint8 tensor).
+
+        Allocate the prefill KV cache here: receivers on this host then read its blocks
+        themselves (`HandoffSender.export_cache`). Raises `UcpMemoryError` when UCX cannot
+        allocate shared memory; callers fall back to ordinary memory. Any thread, after start.
+        """
+        if not self.running:
+            raise RuntimeError("start the handoff transport before sharing memory")
+        import ucxx  # type: ignore[import-untyped]
+
+        region = SharedHostMemory.allocate(ucxx.core._get_ctx().context.handle, nbytes)
+        with self._shared_lock:
+            self._shared.append(region)
+        return region.tensor
+
+    def shared_region(self, tensor: torch.Tensor) -> SharedHostMemory | None:
+        """The region from `share_host_memory` that holds all of ``tensor``, if any."""
+        with self._shared_lock:
+            return next((r for r in self._shared if r.contains(tensor)), None)
+
+    def map_peer_memory(self, endpoint: Any, rkey: bytes, remote_address: int,
+                        nbytes: int) -> PeerMemory:
+        """Map a same-host peer's shared memory (its rkey, over our endpoint to it)."""
+        return PeerMemory.map(endpoint._ep.handle, rkey, remote_address, nbytes)
+
+    def after_payload_work(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the payload thread after the payload work queued so far (e.g. unmap
+        peer memory only once no queued copy can still read it). Dropped after `stop`: a copy
+        may still run then, and the process is about to let go of everything anyway."""
+        with contextlib.suppress(RuntimeError):  # executor shut down
+            self._payload.submit(fn)
 
     async def drain(self, tag: int) -> None:
         """Consume one message with ``tag`` into a 1-byte buffer: UCX truncates it, the sender's

@@ -23,7 +23,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from pdserve.handoff.auth import MAC_BYTES, check_mac, mac
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 MAGIC = b"PDHO"
 MAX_FRAME_BYTES = 64 * 1024
 _HEAD = struct.Struct("<4sBBHIQ")
@@ -34,6 +34,8 @@ MAX_PIECES = 1 << 16
 # A PIECE frame announces this many pieces at most, each as PIECE_FIELDS ints (~80 bytes):
 # well under MAX_FRAME_BYTES.
 PIECES_PER_FRAME = 256
+# A SOURCE frame lists the sender's block ids as little-endian uint32 (4 bytes each).
+MAX_SOURCE_BLOCKS = 12288
 PIECE_FIELDS = ("index", "layer_start", "layer_end", "kv_start", "kv_end", "block_start",
                 "block_end", "nbytes", "digest")
 
@@ -56,6 +58,7 @@ class Kind(enum.IntEnum):
     PING = 11
     PONG = 12
     DONE = 13  # receiver -> sender: the fence verified, the KV is ready
+    SOURCE = 14  # sender -> receiver (same host): where to read this transfer's KV itself
 
 
 UNAUTHENTICATED = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.PROOF, Kind.REFUSED})
@@ -69,7 +72,9 @@ _SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.REFUSED: {"reason": str},
     Kind.BEGIN: {"tid": int, "instance": int, "request_id": str, "layout": dict, "num_blocks": int,
                  "pid": int},
-    Kind.PIECE: {"tid": int, "pieces": list},
+    Kind.PIECE: {"tid": int, "pieces": list, "read": bool},
+    Kind.SOURCE: {"tid": int, "rkey": bytes, "address": int, "cache_blocks": int,
+                  "blocks": bytes},
     Kind.FENCE: {"tid": int, "num_pieces": int, "nbytes": int, "digest": int,
                  "first_token_id": int, "num_tokens": int},
     Kind.ABORT_TO_RECEIVER: {"tid": int, "code": str, "message": str},

@@ -56,26 +56,37 @@ class Roles:
 
     # ---- setup ---------------------------------------------------------------------------
     def make_cache(self, layout: dict[str, Any], num_blocks: int, seed: int,
-                   device: str = "cpu") -> dict[str, Any]:
+                   device: str = "cpu", shared: bool = False) -> dict[str, Any]:
+        """Random KV; ``shared``: in memory same-host peers can map (what a sender exports)."""
         self.layout = KVLayout.from_dict(layout)
-        self.cache = random_cache(self.layout, num_blocks, seed, device)
+        values = random_cache(self.layout, num_blocks, seed, device)
+        if shared:
+            memory = self.transport.share_host_memory(values.numel() * values.element_size())
+            self.cache = memory.view(values.dtype).view(values.shape)
+            self.cache.copy_(values)
+        else:
+            self.cache = values
         return {"shape": list(self.cache.shape)}
 
-    def make_receiver(self, recv_delay_s: float = 0.0) -> bool:
+    def make_receiver(self, recv_delay_s: float = 0.0,
+                      corrupt_read_piece: int | None = None) -> bool:
         if self.receiver is not None:
             self.receiver.close()
         assert self.cache is not None and self.layout is not None
         self.receiver = HandoffReceiver(self.transport, self.cache, self.layout,
-                                        faults=ReceiverFaults(recv_delay_s=recv_delay_s))
+                                        faults=ReceiverFaults(recv_delay_s, corrupt_read_piece))
         return True
 
-    def make_sender(self, corrupt_piece: int | None = None, inflate_piece_bytes: int = 0) -> bool:
+    def make_sender(self, corrupt_piece: int | None = None, inflate_piece_bytes: int = 0,
+                    source_address_shift: int = 0) -> bool:
         if self.sender is not None:
             self.sender.close()
         device = self.cache.device if self.cache is not None else "cpu"
         self.sender = HandoffSender(self.transport, device=device, faults=SenderFaults(
-            corrupt_piece=corrupt_piece, inflate_piece_bytes=inflate_piece_bytes))
-        return True
+            corrupt_piece=corrupt_piece, inflate_piece_bytes=inflate_piece_bytes,
+            source_address_shift=source_address_shift))
+        # A cache in shared memory is exported: same-host receivers read it themselves.
+        return self.cache is not None and self.sender.export_cache(self.cache)
 
     def read(self, block_ids: list[int]) -> bytes:
         assert self.cache is not None
@@ -132,11 +143,13 @@ class Roles:
 
     # ---- sender ---------------------------------------------------------------------------------
     def start(self, ticket: dict[str, Any], block_ids: list[int],
-              layers_per_piece: int | None = None, direct_min_bytes: int | None = None) -> int:
+              layers_per_piece: int | None = None, direct_min_bytes: int | None = None,
+              allow_reads: bool = True) -> int:
         assert self.sender is not None and self.layout is not None
         transfer = self.sender.start_transfer(HandoffTicket.from_dict(ticket), block_ids,
                                               self.layout, layers_per_piece=layers_per_piece,
-                                              direct_min_bytes=direct_min_bytes)
+                                              direct_min_bytes=direct_min_bytes,
+                                              allow_reads=allow_reads)
         handle = len(self.transfers)
         self.transfers[handle] = transfer
         return handle
@@ -158,10 +171,10 @@ class Roles:
 
     def push(self, tickets: list[dict[str, Any]], block_ids: list[list[int]],
              first_token_id: int, layers_per_piece: int | None = None,
-             direct_min_bytes: int | None = None) -> dict[str, Any]:
+             direct_min_bytes: int | None = None, allow_reads: bool = True) -> dict[str, Any]:
         """start + every layer (all transfers per layer, like one batch) + fence."""
         assert self.layout is not None
-        handles = [self.start(t, ids, layers_per_piece, direct_min_bytes)
+        handles = [self.start(t, ids, layers_per_piece, direct_min_bytes, allow_reads)
                    for t, ids in zip(tickets, block_ids, strict=True)]
         started = self.send_layers(handles, list(range(self.layout.num_local_layers)))
         self.fence(handles, first_token_id)

@@ -30,13 +30,15 @@ def random_layout(rng: random.Random, dtype: str, **overrides: Any) -> KVLayout:
 def setup_roles(receiver: Agent, sender: Agent, layout: KVLayout, *, seed: int = 0,
                 receiver_faults: dict[str, Any] | None = None,
                 sender_faults: dict[str, Any] | None = None,
-                sender_layout: KVLayout | None = None) -> None:
-    """Fresh caches (random bytes, different per side) and fresh roles on both agents."""
+                sender_layout: KVLayout | None = None, shared: bool = False) -> bool:
+    """Fresh caches (random bytes, different per side) and fresh roles on both agents.
+    ``shared``: the sender's cache in shared memory, exported (same-host receivers read it);
+    returns whether the sender exported it."""
     receiver.call("make_cache", layout=layout.to_dict(), num_blocks=CACHE_BLOCKS, seed=seed)
     receiver.call("make_receiver", **(receiver_faults or {}))
     sender.call("make_cache", layout=(sender_layout or layout).to_dict(),
-                num_blocks=CACHE_BLOCKS, seed=seed + 1)
-    sender.call("make_sender", **(sender_faults or {}))
+                num_blocks=CACHE_BLOCKS, seed=seed + 1, shared=shared)
+    return sender.call("make_sender", **(sender_faults or {}))
 
 
 def pick_blocks(rng: random.Random, count: int, exclude: set[int] | None = None) -> list[int]:

@@ -25,7 +25,8 @@ from pdserve.handoff.wire import (
 )
 
 KEY = auth.session_key("secret", 7, b"s" * 16, b"r" * 16)
-PIECE = {"tid": 9, "pieces": [piece_entry(2, (0, 1), (0, 2), (0, 3), 4096, 123)]}
+PIECE = {"tid": 9, "pieces": [piece_entry(2, (0, 1), (0, 2), (0, 3), 4096, 123)],
+         "read": False}
 
 
 def test_signed_frame_round_trips() -> None:

@@ -1,0 +1,210 @@
+"""Same-host reads between two real OS processes: the prefill cache lives in UCX shared memory,
+the decode side maps it (rkey) and copies each announced piece into its reserved blocks
+itself. Same guarantees as pushed pieces: byte-exact, digest-checked, nothing written after a
+cancel, the sender's blocks held until the reads are over, blocks back when a sender dies.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from conftest import spawn_agents
+from handoff_agent import Agent
+from handoff_cases import CACHE_BLOCKS, pick_blocks, random_layout, reserve, setup_roles, wait_until
+
+from pdserve.engine.kv_layout import KVLayout
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def piece_counts(receiver: Agent) -> dict[str, int]:
+    stats = receiver.call("receiver_stats")
+    return {k: stats[f"num_{k}_pieces"] for k in ("read", "direct", "staged")}
+
+
+def landed_since(receiver: Agent, before: dict[str, int]) -> dict[str, int]:
+    return {k: v - before[k] for k, v in piece_counts(receiver).items()}
+
+
+def consecutive(start: int, count: int) -> list[int]:
+    return list(range(start, start + count))
+
+
+def hand_off(receiver: Agent, sender: Agent, request_id: str, dst: list[int], src: list[int],
+             layout: KVLayout, **push: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Reserve ``dst``, hand ``src`` over; returns (receiver outcome, sender outcome)."""
+    ticket = reserve(receiver, request_id, dst, layout)
+    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=3, **push)
+    ready = receiver.call("wait", request_id=request_id, timeout=20)
+    return ready, sender.call("result", handle=pushed["handles"][0], timeout=20)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("shape", ["scattered", "runs"])
+def test_reads_are_byte_exact(pair, dtype: str, shape: str) -> None:
+    receiver, sender = pair
+    rng = random.Random(f"reads-{dtype}-{shape}")
+    layout = random_layout(rng, dtype)
+    assert setup_roles(receiver, sender, layout, seed=rng.randrange(1000), shared=True)
+    if shape == "scattered":  # the scratch path: gather, hash, scatter
+        dst, src = pick_blocks(rng, 9), pick_blocks(rng, 9)
+    else:  # the straight path: runs on both sides, cut where either side's run breaks
+        dst, src = consecutive(3, 5) + consecutive(20, 4), consecutive(30, 2) + consecutive(9, 7)
+    before = piece_counts(receiver)
+    ready, sent = hand_off(receiver, sender, f"reads-{dtype}-{shape}", dst, src, layout,
+                           layers_per_piece=1)
+    assert ready["ok"] and sent["ok"], (ready, sent)
+    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+    # One piece per layer (as asked), all read: no payload crossed UCX.
+    assert landed_since(receiver, before) == {"read": layout.num_local_layers, "direct": 0,
+                                              "staged": 0}
+    assert ready["num_pieces"] == layout.num_local_layers
+    assert sent["num_bytes_sent"] == ready["num_bytes"]
+    assert receiver.call("receiver_stats")["writable_block_ids"] == []
+
+
+def test_sixteen_concurrent_reads_land_in_their_own_blocks(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("reads-16")
+    layout = random_layout(rng, "float16", num_layers=3)
+    assert setup_roles(receiver, sender, layout, seed=41, shared=True)
+    order = rng.sample(range(CACHE_BLOCKS), CACHE_BLOCKS)
+    dsts = [order[3 * i:3 * i + 3] for i in range(16)]
+    srcs = [rng.sample(range(CACHE_BLOCKS), 3) for _ in range(16)]
+    tickets = [reserve(receiver, f"many-{i}", dsts[i], layout) for i in range(16)]
+    pushed = sender.call("push", tickets=tickets, block_ids=srcs, first_token_id=100)
+    for i in range(16):
+        ready = receiver.call("wait", request_id=f"many-{i}", timeout=20)
+        assert ready["ok"] and ready["first_token_id"] == 100 + i, ready
+        assert sender.call("result", handle=pushed["handles"][i], timeout=20)["ok"]
+        assert receiver.call("read", block_ids=dsts[i]) == sender.call("read", block_ids=srcs[i])
+
+
+def test_a_bad_read_fails_with_a_digest_reason(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("reads-corrupt")
+    layout = random_layout(rng, "bfloat16", num_layers=4)
+    assert setup_roles(receiver, sender, layout, seed=7, shared=True,
+                       receiver_faults={"corrupt_read_piece": 2})
+    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
+    source = sender.call("read", block_ids=src)
+    ready, sent = hand_off(receiver, sender, "reads-corrupt", dst, src, layout,
+                           layers_per_piece=1)
+    assert ready["code"] == "digest" and "piece 2" in ready["message"], ready
+    assert ready["blocks_released"] and sent["code"] == "digest", sent
+    assert sender.call("read", block_ids=src) == source  # reads never write the source
+    assert receiver.call("receiver_stats")["writable_block_ids"] == []
+
+
+def test_cancel_during_reads_stops_all_writes(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("reads-cancel")
+    layout = random_layout(rng, "float16", num_layers=6)
+    assert setup_roles(receiver, sender, layout, seed=19, shared=True,
+                       receiver_faults={"recv_delay_s": 0.5})
+    dst, src = pick_blocks(rng, 5), pick_blocks(rng, 5)
+    before, reads_before = receiver.call("read", block_ids=dst), piece_counts(receiver)["read"]
+    ticket = reserve(receiver, "reads-mid", dst, layout)
+    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
+                         layers_per_piece=1)
+    wait_until(lambda: receiver.call("receiver_stats")["num_receiving"] == 1, 5, "begun")
+    assert receiver.call("cancel", request_id="reads-mid")
+    sent = sender.call("result", handle=pushed["handles"][0], timeout=20)
+    assert sent["code"] == "cancelled", sent
+    # Every read was still held back by the delay; when each delay ends, the read finds the
+    # transfer over and copies nothing (one delay per piece, all running at once).
+    time.sleep(1.0)  # observation window past every piece's delay, not a wait on a condition
+    assert receiver.call("read", block_ids=dst) == before
+    assert piece_counts(receiver)["read"] == reads_before
+    assert receiver.call("receiver_stats")["writable_block_ids"] == []
+
+
+def test_deferred_free_holds_the_source_blocks_until_the_reads_are_over(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("reads-slow")
+    layout = random_layout(rng, "float32", num_layers=2)
+    delay = 1.0
+    assert setup_roles(receiver, sender, layout, seed=13, shared=True,
+                       receiver_faults={"recv_delay_s": delay})
+    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
+    ticket = reserve(receiver, "reads-slow", dst, layout)
+    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)
+    handle = pushed["handles"][0]
+    time.sleep(delay / 2)  # observation point inside the receiver's delay, not a wait
+    assert not sender.call("released", handle=handle), "source blocks released before read"
+    sent = sender.call("result", handle=handle, timeout=20)
+    assert sent["ok"] and sent["released_at"] - pushed["started_at"] >= delay
+    assert receiver.call("wait", request_id="reads-slow", timeout=20)["ok"]
+    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+
+
+def test_reads_can_be_declined_per_transfer(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("reads-declined")
+    layout = random_layout(rng, "float16", num_layers=3)
+    assert setup_roles(receiver, sender, layout, seed=3, shared=True)
+    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
+    before = piece_counts(receiver)
+    ready, sent = hand_off(receiver, sender, "reads-declined", dst, src, layout,
+                           allow_reads=False)
+    assert ready["ok"] and sent["ok"]
+    landed = landed_since(receiver, before)
+    assert landed["read"] == 0 and landed["staged"] + landed["direct"] == ready["num_pieces"]
+    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+
+
+@pytest.mark.parametrize("shift", [1 << 40, -(1 << 20)])
+def test_a_source_outside_the_shared_region_is_refused(pair, shift: int) -> None:
+    receiver, sender = pair
+    rng = random.Random("reads-lie")
+    layout = random_layout(rng, "float16", num_layers=2)
+    assert setup_roles(receiver, sender, layout, seed=2, shared=True,
+                       sender_faults={"source_address_shift": shift})
+    dst, src = pick_blocks(rng, 3), pick_blocks(rng, 3)
+    before = receiver.call("read", block_ids=dst)
+    ready, sent = hand_off(receiver, sender, "reads-lie", dst, src, layout)
+    assert ready["code"] == "protocol" and "cannot map" in ready["message"], ready
+    assert not sent["ok"] and receiver.call("read", block_ids=dst) == before
+    assert receiver.call("receiver_stats")["writable_block_ids"] == []
+
+
+@pytest.fixture
+def lone_receiver() -> Iterator[Agent]:
+    (agent,) = spawn_agents(None)
+    yield agent
+    agent.stop()
+
+
+def test_sender_killed_mid_stream_releases_the_reservation_and_stalls_nothing(
+        lone_receiver) -> None:
+    receiver = lone_receiver
+    doomed, successor = spawn_agents(None, None)
+    rng = random.Random("reads-kill")
+    layout = random_layout(rng, "float32", num_layers=6, num_kv_heads=4, head_dim=64)
+    assert setup_roles(receiver, doomed, layout, seed=23, shared=True)
+    dst, src = pick_blocks(rng, 8), pick_blocks(rng, 8)
+    deadline_s = 4.0
+    reserved_at = receiver.call("now")
+    ticket = reserve(receiver, "reads-orphan", dst, layout, timeout_s=deadline_s)
+    handle = doomed.call("start", ticket=ticket, block_ids=src, layers_per_piece=1)
+    doomed.call("send_layers", handles=[handle], layers=[0, 1, 2])  # half the layers, no fence
+    wait_until(lambda: receiver.call("receiver_stats")["num_read_pieces"] >= 3, 5, "3 reads")
+    doomed.kill()
+    outcome = receiver.call("wait", request_id="reads-orphan", timeout=deadline_s + 5)
+    assert outcome["code"] in ("peer_gone", "timeout"), outcome
+    assert outcome["ended_at"] <= reserved_at + deadline_s + 0.5
+    assert outcome["blocks_released"]
+    assert receiver.call("receiver_stats")["writable_block_ids"] == []
+    # No payload went through UCX's shared-memory FIFO, so the kill left nothing stalled:
+    # the same receiver serves the next sender at once.
+    successor.call("make_cache", layout=layout.to_dict(), num_blocks=CACHE_BLOCKS, seed=5,
+                   shared=True)
+    assert successor.call("make_sender")
+    started = time.monotonic()
+    ready, sent = hand_off(receiver, successor, "reads-next", dst, src, layout)
+    assert ready["ok"] and sent["ok"] and time.monotonic() - started < 2.0, (ready, sent)
+    successor.stop()
