@@ -142,6 +142,10 @@ class DecodeWorker:
         """Block and queue counts (integrity-checked on the engine thread)."""
         return asdict(await self.async_engine.call(self.engine.kv_stats))
 
+    def handoff_stats(self) -> dict[str, Any]:
+        """The KV receiver's counters (pieces read, received, drained; transfers by outcome)."""
+        return {} if self.receiver is None else asdict(self.receiver.stats())
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve calls this periodically; the decode request router ranks replicas on it."""
         kv = self.engine.kv_manager

@@ -80,6 +80,7 @@ def chat(apps: ServedApps, app: str, conv: list[dict[str, str]],
 @pytest.mark.parametrize("stream", [False, True])
 def test_openai_client_parity_and_usage(served_apps: ServedApps, reference, app: str,
                                         stream: bool) -> None:
+    reads_before = decode_pieces_read(app)
     for conv in conversations():
         text, usage = chat(served_apps, app, conv, stream)
         want_text, num_prompt, num_output = reference[json.dumps(conv)]
@@ -88,6 +89,15 @@ def test_openai_client_parity_and_usage(served_apps: ServedApps, reference, app:
         assert usage.completion_tokens == num_output == MAX_TOKENS
         assert usage.total_tokens == num_prompt + num_output
     served_apps.wait_all_free(app)
+    if app == "disagg":  # same host: decode read the KV from prefill's shared cache itself
+        assert decode_pieces_read(app) > reads_before
+
+
+def decode_pieces_read(app: str) -> int:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("decode", app_name=app)
+    return handle.handoff_stats.remote().result(timeout_s=30).get("num_read_pieces", 0)
 
 
 def test_httpx_completions_with_token_ids(served_apps: ServedApps, tiny_checkpoints) -> None:
