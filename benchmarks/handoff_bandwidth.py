@@ -5,10 +5,12 @@ Run: ``python benchmarks/handoff_bandwidth.py [--sizes 1,4,16,64,256] [--reps 5]
 
 Every number is the median over ``--reps`` runs after one warm-up, on one machine:
 - handoff: two spawned processes; from the first per-layer hook call on the sender to the
-  receiver's ready future resolving (gather, digest, UCX transfer, digest check, scatter and
-  fence all included), with block ids scattered at random on both sides ("scattered": staged
-  pieces) and with each side's blocks in one run ("runs": direct pieces once a layer's K or V
-  reaches ``direct_min_piece_bytes``, i.e. from 32 blocks = 32 MiB here; staged below).
+  receiver's ready future resolving (digests, transfer, digest checks and fence included),
+  with block ids scattered at random on both sides ("scattered") and with each side's blocks
+  in one run ("runs"). "read": the sender's cache is in UCX shared memory and exported, and
+  the receiver copies each piece from it itself (the prefill worker's default on one host);
+  "push": an ordinary sender cache, pieces sent over UCX (staged when scattered; direct once
+  a layer's K or V reaches ``direct_min_piece_bytes``, i.e. from 32 blocks = 32 MiB here).
 - memcpy: ``np.copyto`` of the same number of bytes in this process (the ceiling).
 - tcp: two processes, ``sendall``/``recv_into`` over 127.0.0.1, first byte sent to last byte in.
 - ray: two Ray nodes started here (``ray.cluster_utils.Cluster``: separate raylets and object

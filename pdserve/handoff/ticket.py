@@ -132,8 +132,9 @@ class FenceInfo:
 class SendResult:
     """How one outbound transfer ended, once no send of it is in flight any more.
 
-    When the sender resolves this, UCX no longer reads any buffer of the transfer: the prefill
-    worker may free or cache the source blocks. ``error`` is None on success.
+    When the sender resolves this, nothing reads any buffer of the transfer any more (neither
+    UCX nor a same-host receiver copying from the exported cache): the prefill worker may
+    free or cache the source blocks. ``error`` is None on success.
     """
 
     request_id: str
