@@ -150,9 +150,10 @@ class PieceLanding:
         except Exception as exc:
             log.exception("reading pieces of %r failed", record.request_id)
             return self._fail(record, HandoffError(f"reading KV from the sender failed: {exc}"))
-        for spec, actual in zip(specs, digests, strict=False):  # none once the transfer ended
+        for spec, actual in zip(specs, digests, strict=False):
             self.num_read += 1
             self._verify(record, spec, actual)
+        self.num_drained += len(specs) - len(digests)  # the transfer ended before their turn
         return None
 
     def _read_locked(self, record: InboundTransfer, specs: list[PieceSpec]) -> list[int]:

@@ -108,6 +108,7 @@ def test_cancel_during_reads_stops_all_writes(pair) -> None:
                        receiver_faults={"recv_delay_s": 0.5})
     dst, src = pick_blocks(rng, 5), pick_blocks(rng, 5)
     before, reads_before = receiver.call("read", block_ids=dst), piece_counts(receiver)["read"]
+    drained_before = receiver.call("receiver_stats")["num_drained"]
     ticket = reserve(receiver, "reads-mid", dst, layout)
     pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
                          layers_per_piece=1)
@@ -115,9 +116,10 @@ def test_cancel_during_reads_stops_all_writes(pair) -> None:
     assert receiver.call("cancel", request_id="reads-mid")
     sent = sender.call("result", handle=pushed["handles"][0], timeout=20)
     assert sent["code"] == "cancelled", sent
-    # Every read was still held back by the delay; when each delay ends, the read finds the
-    # transfer over and copies nothing (one delay per piece, all running at once).
-    time.sleep(1.0)  # observation window past every piece's delay, not a wait on a condition
+    # Every read was still held back by the delay; when it ends, each finds the transfer over
+    # and copies nothing (counted as drained: dropped because their transfer ended).
+    wait_until(lambda: receiver.call("receiver_stats")["num_drained"] - drained_before
+               == layout.num_local_layers, 10, "every delayed read to find the transfer over")
     assert receiver.call("read", block_ids=dst) == before
     assert piece_counts(receiver)["read"] == reads_before
     assert receiver.call("receiver_stats")["writable_block_ids"] == []
