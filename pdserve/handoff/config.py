@@ -70,6 +70,9 @@ class HandoffConfig:
     # Same-host receivers read the KV themselves from a prefill cache that lives in UCX shared
     # memory (`HandoffSender.export_cache`): one copy, no message per piece (docs/handoff.md).
     same_host_reads: bool = True
+    # Threads that copy read pieces on the decode side: two keep a 2-core box's memory busy
+    # while the prefill side hashes (measured 256 MiB: ~1.5x one thread); more only contend.
+    read_threads: int = 2
     finished_ttl_s: float = 60.0
     ucx_tls: str | None = None
     net_devices: str | None = None
@@ -98,6 +101,8 @@ class HandoffConfig:
                 f"({self.max_piece_bytes}) and direct_min_piece_bytes "
                 f"({self.direct_min_piece_bytes})"
             )
+        if not 1 <= self.read_threads <= 64:
+            raise ValueError(f"HandoffConfig.read_threads must be 1..64, got {self.read_threads}")
         for name in ("receiver_staging_bytes", "sender_staging_bytes"):
             if getattr(self, name) < self.max_piece_bytes:
                 raise ValueError(
@@ -148,6 +153,7 @@ _ENV_FIELDS: dict[str, type] = {
     "min_piece_bytes": int,
     "direct_min_piece_bytes": int,
     "same_host_reads": bool,
+    "read_threads": int,
     "finished_ttl_s": float,
     "ucx_tls": str,
     "net_devices": str,

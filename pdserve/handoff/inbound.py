@@ -16,7 +16,12 @@ import numpy as np
 import torch
 
 from pdserve.engine.kv_layout import KVLayout, LayoutMismatchError
-from pdserve.handoff.errors import HandoffError, HandoffLayoutError, HandoffProtocolError
+from pdserve.handoff.errors import (
+    HandoffDigestError,
+    HandoffError,
+    HandoffLayoutError,
+    HandoffProtocolError,
+)
 from pdserve.handoff.kvcopy import combine_digests
 from pdserve.handoff.piece_plan import PieceSpec, block_nbytes
 from pdserve.handoff.ticket import FenceInfo
@@ -46,9 +51,11 @@ class InboundTransfer:
     """Receiver-side record of one transfer.
 
     ``write_lock`` is held by whoever writes into the reserved blocks from Python (staged
-    scatter), by whoever starts or ends a direct write (UCX receiving into the blocks), and by
-    whoever ends the transfer. Ending it (`finish`) stops new writes; the blocks are released
-    (``settled`` set, ``result`` resolved) once no direct write is in flight either.
+    scatter), by whoever starts or ends a direct write (UCX receiving into the blocks, or a
+    read copy), and by whoever ends the transfer. Ending it (`finish`) stops new writes; the
+    blocks are released (``settled`` set, ``result`` resolved) once no direct write is in
+    flight either. Transfers that are read (``source`` set) also take it around every header
+    check and landing, which then happen on the read threads as well as on the loop.
     """
 
     request_id: str
@@ -92,8 +99,13 @@ class InboundTransfer:
         return self.state in (InboundState.READY, InboundState.FAILED)
 
     @property
+    def slotted(self) -> bool:
+        """Pieces and fence are announced in a shared read slot, not by frames."""
+        return self.source is not None and self.source.slot is not None
+
+    @property
     def num_landed(self) -> int:
-        return sum(piece.landed for piece in self._pieces.values())
+        return sum(piece.landed for piece in list(self._pieces.values()))
 
     def progress(self) -> str:
         return (f"{self.num_landed}/{len(self._pieces)} announced pieces landed, "
@@ -131,13 +143,16 @@ class InboundTransfer:
             raise HandoffProtocolError("SOURCE after pieces, or twice")
         self.source = source
 
-    def accept_piece(self, session_id: int, body: dict[str, Any], read: bool = False) -> PieceSpec:
+    def accept_piece(self, session_id: int, body: dict[str, Any], read: bool = False,
+                     slotted: bool = False) -> PieceSpec:
         """Validate a PIECE header against the reservation; nothing is allocated before this.
-        ``read``: the sender says the receiver reads this piece itself (needs a SOURCE)."""
+        ``read``: the sender says the receiver reads this piece itself (needs a SOURCE);
+        ``slotted``: it came from the transfer's read slot (which then must be its only way)."""
         self._check_sender(session_id, "PIECE")
         if read != (self.source is not None):
             raise HandoffProtocolError(
                 "piece to be read without a SOURCE" if read else "pushed piece after a SOURCE")
+        self._check_channel(slotted, "piece")
         if self._fence is not None:
             raise HandoffProtocolError("piece announced after the fence")
         index, nbytes = body["index"], body["nbytes"]
@@ -164,8 +179,9 @@ class InboundTransfer:
         self._announced_bytes += nbytes
         return spec
 
-    def accept_fence(self, session_id: int, body: dict[str, Any]) -> None:
+    def accept_fence(self, session_id: int, body: dict[str, Any], slotted: bool = False) -> None:
         self._check_sender(session_id, "FENCE")
+        self._check_channel(slotted, "fence")
         if self._fence is not None:
             raise HandoffProtocolError("second fence")
         problems = []
@@ -193,12 +209,18 @@ class InboundTransfer:
     def piece_digest(self, index: int) -> int:
         return self._pieces[index].digest
 
+    def digest_error(self, spec: PieceSpec, actual: int) -> HandoffDigestError:
+        return HandoffDigestError(
+            f"piece {spec.index} (layers {spec.layer_start}-{spec.layer_end - 1}) of "
+            f"{self.request_id!r} hashes to {actual:#x}, its header said "
+            f"{self.piece_digest(spec.index):#x}")
+
     def mark_landed(self, index: int) -> None:
         self._pieces[index].landed = True
 
     def completion(self) -> FenceInfo | None:
         """The fence outcome once the fence verified and every announced piece landed."""
-        if self._fence is None or not all(p.landed for p in self._pieces.values()):
+        if self._fence is None or not all(p.landed for p in list(self._pieces.values())):
             return None
         return FenceInfo(self.request_id, self._fence["first_token_id"], self.num_tokens,
                          self._announced_bytes, len(self._pieces))
@@ -243,6 +265,12 @@ class InboundTransfer:
         else:
             self.result.set_exception(self.error)
         self.settled.set()
+
+    def _check_channel(self, slotted: bool, what: str) -> None:
+        if slotted != self.slotted:
+            raise HandoffProtocolError(
+                f"{what} in a read slot the SOURCE did not name" if slotted else
+                f"{what} frame for a transfer announced through its read slot")
 
     def _check_sender(self, session_id: int, what: str) -> None:
         if self.state is not InboundState.RECEIVING:

@@ -158,35 +158,52 @@ def joint_runs(*ids: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip(starts, lengths, strict=True))
 
 
-def digest_rows(rows: np.ndarray, ids: np.ndarray, spec: PieceSpec) -> int:
+def clip_runs(runs: Sequence[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    """The part of `joint_runs` over a whole id list that lies in positions ``[start, end)``:
+    a transfer finds its runs once, each piece clips them to its blocks."""
+    clipped = []
+    for position, length in runs:
+        low, high = max(position, start), min(position + length, end)
+        if low < high:
+            clipped.append((low, high - low))
+    return clipped
+
+
+def digest_rows(rows: np.ndarray, ids: np.ndarray, spec: PieceSpec,
+                runs: Sequence[tuple[int, int]] | None = None) -> int:
     """xxh3-64 of a piece's bytes where they sit in a host cache (``rows`` from `cache_rows`,
     ``ids`` the request's block ids), without gathering them: what a sender announces for a
-    piece the receiver reads itself. A run of consecutive ids is hashed as one span."""
+    piece the receiver reads itself. A run of consecutive ids is hashed as one span
+    (``runs``: `joint_runs` of ``ids``, if already known)."""
     hasher = xxhash.xxh3_64()
-    piece_ids = ids[spec.block_start:spec.block_end]
-    runs = [(int(piece_ids[p]), n) for p, n in joint_runs(piece_ids)]
+    runs = joint_runs(ids) if runs is None else runs
+    spans = [(int(ids[p]), n) for p, n in clip_runs(runs, spec.block_start, spec.block_end)]
     for layer in range(spec.layer_start, spec.layer_end):
         for kv in range(spec.kv_start, spec.kv_end):
             plane = rows[layer, kv]
-            for first, length in runs:
+            for first, length in spans:
                 hasher.update(plane[first:first + length])
     return hasher.intdigest()
 
 
 def read_piece(src: np.ndarray, src_ids: np.ndarray, dst: np.ndarray, dst_ids: np.ndarray,
-               spec: PieceSpec, corrupt: bool = False) -> int:
+               spec: PieceSpec, runs: Sequence[tuple[int, int]] | None = None,
+               corrupt: bool = False) -> int:
     """Copy a piece from a peer's cache rows ``src`` into ours ``dst`` (both from
     `cache_rows`; ids already range-checked) and return the xxh3-64 of the bytes that landed.
 
     Each `READ_CHUNK_BYTES` is hashed right after it was copied, while in cache: one DRAM read
     and one write per byte. Where both sides' blocks run together the copy goes straight
     between the caches; scattered blocks go through a cache-sized scratch (gather, hash,
-    scatter). ``corrupt`` (tests) flips a landed byte before hashing: a bad read.
+    scatter. ``runs``: `joint_runs` of both id lists, if already known. ``corrupt`` (tests)
+    flips a landed byte before hashing: a bad read.
     """
     s_ids = src_ids[spec.block_start:spec.block_end]
     d_ids = dst_ids[spec.block_start:spec.block_end]
     step = max(1, READ_CHUNK_BYTES // dst.shape[-1])
-    segments = joint_runs(s_ids, d_ids)
+    runs = joint_runs(src_ids, dst_ids) if runs is None else runs
+    segments = [(p - spec.block_start, n)
+                for p, n in clip_runs(runs, spec.block_start, spec.block_end)]
     hasher = xxhash.xxh3_64()
     scratch = None if 4 * len(s_ids) >= step * len(segments) else \
         np.empty((step, dst.shape[-1]), dtype=np.uint8)

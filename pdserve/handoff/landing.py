@@ -17,7 +17,6 @@ from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.admission import StagingAdmission
 from pdserve.handoff.errors import (
     HandoffCapacityError,
-    HandoffDigestError,
     HandoffError,
     HandoffPeerGoneError,
     HandoffProtocolError,
@@ -28,7 +27,6 @@ from pdserve.handoff.kvcopy import (
     cache_rows,
     digest_and_scatter,
     piece_view,
-    read_piece,
     row_span,
 )
 from pdserve.handoff.piece_plan import PieceSpec, is_run
@@ -61,7 +59,6 @@ class PieceLanding:
         self.num_drained = 0
         self.num_direct = 0  # pieces received straight into their blocks
         self.num_staged = 0  # pieces received into staging and scattered
-        self.num_read = 0  # pieces read from a same-host sender's cache
 
     def receive(self, record: InboundTransfer, spec: PieceSpec, tag: int) -> None:
         rows = record.block_id_list[spec.block_start:spec.block_end]
@@ -69,10 +66,6 @@ class PieceLanding:
             self._track(record.transfer_id, self._receive_direct(record, spec, tag, rows[0]))
         else:
             self._track(record.transfer_id, self._receive(record, spec, tag))
-
-    def read(self, record: InboundTransfer, specs: list[PieceSpec]) -> None:
-        """Copy pieces from the sender's exported cache (same host) into their blocks."""
-        self._track(record.transfer_id, self._read(record, specs))
 
     def drain(self, transfer_id: int, tag: int) -> None:
         self._track(transfer_id, self._drain(tag))
@@ -137,40 +130,6 @@ class PieceLanding:
         self.num_direct += 1
         return self._verify(record, spec, xxhash.xxh3_64_intdigest(view))
 
-    async def _read(self, record: InboundTransfer, specs: list[PieceSpec]) -> None:
-        if self._faults.recv_delay_s:
-            await asyncio.sleep(self._faults.recv_delay_s)
-        # Off the loop (~1 ms per MiB of copy and hash); cancelling this task leaves the copy
-        # to finish under the write lock, which is what ending the transfer waits on.
-        job = asyncio.ensure_future(self._transport.run_payload(self._read_locked, record, specs))
-        try:
-            digests = await asyncio.shield(job)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.exception("reading pieces of %r failed", record.request_id)
-            return self._fail(record, HandoffError(f"reading KV from the sender failed: {exc}"))
-        for spec, actual in zip(specs, digests, strict=False):
-            self.num_read += 1
-            self._verify(record, spec, actual)
-        self.num_drained += len(specs) - len(digests)  # the transfer ended before their turn
-        return None
-
-    def _read_locked(self, record: InboundTransfer, specs: list[PieceSpec]) -> list[int]:
-        """Payload thread: each copy runs under the write lock of a live transfer only, so once
-        a transfer ended (and its ABORT told the sender to free) nothing reads or writes."""
-        digests = []
-        dst_ids = record.block_ids.numpy()
-        for spec in specs:
-            with record.write_lock:
-                if record.terminal or record.source is None:
-                    break
-                source = record.source
-                digests.append(read_piece(
-                    source.rows, source.ids, self._rows_for(record.layout), dst_ids, spec,
-                    corrupt=self._faults.corrupt_read_piece == spec.index))
-        return digests
-
     def _rows_for(self, layout: KVLayout) -> np.ndarray:
         rows = self._rows.get(layout)
         if rows is None:
@@ -228,10 +187,7 @@ class PieceLanding:
         if actual is None or record.terminal:
             self.num_drained += 1
         elif actual != record.piece_digest(spec.index):
-            self._fail(record, HandoffDigestError(
-                f"piece {spec.index} (layers {spec.layer_start}-{spec.layer_end - 1}) of "
-                f"{record.request_id!r} hashes to {actual:#x}, its header said "
-                f"{record.piece_digest(spec.index):#x}"))
+            self._fail(record, record.digest_error(spec, actual))
         else:
             record.mark_landed(spec.index)
             self._landed(record)

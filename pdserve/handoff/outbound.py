@@ -22,13 +22,16 @@ from pdserve.handoff.errors import HandoffCapacityError, HandoffError, HandoffPr
 from pdserve.handoff.kvcopy import (
     byte_rows,
     checked_ids,
+    combine_digests,
     digest_rows,
     gather_piece,
     gather_rows,
+    joint_runs,
     piece_view,
     row_span,
 )
 from pdserve.handoff.piece_plan import PieceSpec, is_run
+from pdserve.handoff.read_slots import SlotLease, SlotTable, fence_record, piece_record
 from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.ticket import HandoffTicket, SendResult
 
@@ -42,6 +45,7 @@ class SourceOffer:
     address: int
     cache_blocks: int
     cache: torch.Tensor  # the exported cache; `send_layer` must be given this one
+    slots: SlotTable | None = None  # where read pieces are announced (None: PIECE frames)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class OutboundTransfer:
     pool: StagingPool
     deadline: float  # time.monotonic()
     source: SourceOffer | None = None  # set: the receiver reads the pieces, nothing is sent
+    slot: SlotLease | None = None  # set: read pieces and the fence are announced in this slot
     released: concurrent.futures.Future[SendResult] = field(
         default_factory=concurrent.futures.Future)
     # compute-thread state, under _lock
@@ -96,6 +101,8 @@ class OutboundTransfer:
     _by_layer: dict[int, list[PieceSpec]] = field(default_factory=dict)
     _direct_first: dict[int, int] = field(default_factory=dict)  # piece -> first source block
     _fence_requested: bool = False
+    _published: list[tuple[PieceSpec, int, int]] = field(default_factory=list)  # slot records
+    _read_runs: list[tuple[int, int]] | None = None  # runs of the block ids, for digest_rows
     # loop-side state
     queue: Any = None  # asyncio.Queue of ReadyPiece | FenceRequest | None (wake-up)
     link: Any = None  # the PeerLink carrying it
@@ -206,8 +213,39 @@ class OutboundTransfer:
             self._gathered_layers[spec.index] = done
             if done == spec.num_layers:
                 ids = self._host_ids(src_rows.shape[2])
-                ready.append(ReadyPiece(spec, None, None, None, digest_rows(src_rows, ids, spec)))
+                if self._read_runs is None:
+                    self._read_runs = joint_runs(ids)
+                piece_digest = digest_rows(src_rows, ids, spec, self._read_runs)
+                if self.slot is None:
+                    ready.append(ReadyPiece(spec, None, None, None, piece_digest))
+                else:  # announced here and now: no hop through the loop, no frame
+                    self._publish_locked(spec, piece_digest)
         return ready
+
+    def _publish_locked(self, spec: PieceSpec, piece_digest: int) -> None:
+        assert self.slot is not None
+        nbytes = spec.nbytes(self.layout)
+        self.slot.publish(len(self._published),
+                          piece_record(spec, nbytes, piece_digest, self.slot.tag))
+        self._published.append((spec, nbytes, piece_digest))
+        self.bytes_sent += nbytes
+        self.pieces_sent += 1
+
+    def publish_fence(self, first_token_id: int) -> None:
+        """Slot transfers: announce the fence in the slot (after `request_fence` passed)."""
+        with self._lock:
+            if self.slot is None or self._error is not None:
+                return
+            records = self._published
+            self.slot.publish(len(records), fence_record(
+                len(records), sum(r[1] for r in records), combine_digests(records),
+                first_token_id, self.ticket.num_tokens, self.slot.tag))
+
+    def take_slot(self) -> SlotLease | None:
+        """End publishing (the transfer was released): the slot goes back to its table."""
+        with self._lock:
+            slot, self.slot = self.slot, None
+            return slot
 
     def _host_ids(self, num_cache_blocks: int) -> np.ndarray:
         if self._ids_np is None:

@@ -31,6 +31,8 @@ from pdserve.handoff.inbound import InboundState, InboundTransfer
 from pdserve.handoff.landing import PieceLanding
 from pdserve.handoff.liveness import process_alive
 from pdserve.handoff.piece_plan import MAX_TICKET_RUNS, PieceSpec, run_lengths
+from pdserve.handoff.read_copier import ReadCopier
+from pdserve.handoff.read_slots import KIND_FENCE, KIND_PIECE
 from pdserve.handoff.sessions import SenderSession, SessionTable
 from pdserve.handoff.source_reads import SourceMaps
 from pdserve.handoff.staging import StagingPool, StagingStats
@@ -91,7 +93,9 @@ class HandoffReceiver:
         self._landing = PieceLanding(transport, cache, self._pool, self._faults, self._fail,
                                      self._maybe_ready, self._settle)
         self._sessions = SessionTable(transport)
-        self._sources = SourceMaps(transport)
+        self._copier = ReadCopier(cache, self._config.read_threads, self._faults,
+                                  self._end_from_thread, self._settle)
+        self._sources = SourceMaps(transport, self._on_slot_record, self._end_from_thread)
         self._lock = threading.Lock()  # guards the three registries below
         self._by_request: dict[str, InboundTransfer] = {}
         self._by_tid: dict[int, InboundTransfer] = {}
@@ -209,8 +213,9 @@ class HandoffReceiver:
             active = sum(not r.terminal for r in self._by_request.values())
             receiving = sum(r.state is InboundState.RECEIVING for r in self._by_request.values())
         return ReceiverStats(active, receiving, self._counts["ready"], self._counts["failed"],
-                             self._landing.num_drained, self._landing.num_direct,
-                             self._landing.num_staged, self._landing.num_read,
+                             self._landing.num_drained + self._copier.num_dropped,
+                             self._landing.num_direct, self._landing.num_staged,
+                             self._copier.num_read,
                              self._sessions.num_refused,
                              self._counts["rejected"], self._pool.stats())
 
@@ -273,6 +278,11 @@ class HandoffReceiver:
         if self._finish(record, error):
             self._tell_sender(record, error, session)
 
+    def _end_from_thread(self, record: InboundTransfer, error: HandoffError | None) -> None:
+        """A read thread's outcome: ready (fence verified, every piece landed) or failed."""
+        if self._finish(record, error) and error is not None:
+            self._transport.call_soon(self._tell_sender, record, error, None)
+
     def _tell_sender(self, record: InboundTransfer, error: HandoffError,
                      session: SenderSession | None) -> None:
         target = session or self._sessions.get(record.session_id)
@@ -315,16 +325,19 @@ class HandoffReceiver:
             self._on_begin(record, frame, session)
         elif kind is Kind.SOURCE and record is not None and not record.terminal:
             try:
-                source = self._sources.source_for(session, record.layout, record.num_blocks,
-                                                  frame.body)
-                record.accept_source(session.session_id, source)
+                source = self._sources.source_for(session, record, frame.body)
+                with record.write_lock:
+                    record.accept_source(session.session_id, source)
+                if source.slot is not None:
+                    self._sources.follow(session, record, source.slot)
             except HandoffError as exc:
                 self._fail(record, exc, session)
         elif kind is Kind.PIECE:
             self._on_pieces(record, frame, session)
         elif kind is Kind.FENCE and record is not None and not record.terminal:
             try:
-                record.accept_fence(session.session_id, frame.body)
+                with record.write_lock:  # read threads may be landing pieces
+                    record.accept_fence(session.session_id, frame.body)
             except HandoffError as exc:
                 return self._fail(record, exc, session)
             self._maybe_ready(record)
@@ -370,8 +383,8 @@ class HandoffReceiver:
             spec = self._on_piece(record, frame.body["tid"], header, session, frame.body["read"])
             if spec is not None:
                 to_read.append(spec)
-        if to_read and record is not None:
-            self._landing.read(record, to_read)  # one payload job for the frame's pieces
+        for spec in to_read if record is not None else ():
+            self._copier.submit(record, spec)
 
     def _on_piece(self, record: InboundTransfer | None, tid: int, header: dict[str, Any],
                   session: SenderSession, read: bool) -> PieceSpec | None:
@@ -389,7 +402,11 @@ class HandoffReceiver:
                 self._landing.drain(tid, tag)
             return None
         try:
-            spec = record.accept_piece(session.session_id, header, read)
+            if read:  # read threads may be landing this transfer's pieces meanwhile
+                with record.write_lock:
+                    spec = record.accept_piece(session.session_id, header, read)
+            else:
+                spec = record.accept_piece(session.session_id, header, read)
         except HandoffError as exc:
             self._fail(record, exc, session)
             if not read:
@@ -401,8 +418,35 @@ class HandoffReceiver:
         return None
 
     def _maybe_ready(self, record: InboundTransfer) -> None:
-        if not record.terminal and record.completion() is not None:
+        with record.write_lock:
+            complete = not record.terminal and record.completion() is not None
+        if complete:
             self._finish(record, None)
+
+    def _on_slot_record(self, record: InboundTransfer, kind: int, body: dict[str, Any]) -> bool:
+        """Watcher thread: a record of ``record``'s read slot, checked like its frame would
+        be. Returns whether more records follow (not after the fence or a failure)."""
+        complete = False
+        try:
+            with record.write_lock:
+                if record.terminal or record.session_id is None:
+                    return False
+                if kind == KIND_PIECE:
+                    spec = record.accept_piece(record.session_id, body, True, slotted=True)
+                elif kind == KIND_FENCE:
+                    record.accept_fence(record.session_id, body, slotted=True)
+                    complete = record.completion() is not None
+                else:
+                    raise HandoffProtocolError(f"read slot record of unknown kind {kind}")
+        except HandoffError as exc:
+            self._end_from_thread(record, exc)
+            return False
+        if kind == KIND_PIECE:
+            self._copier.submit(record, spec)
+            return True
+        if complete:
+            self._finish(record, None)
+        return False
 
     # ---- housekeeping ----------------------------------------------------------------------
     def _start_sweeper(self) -> None:
@@ -443,6 +487,7 @@ class HandoffReceiver:
         for record in records:
             self._finish(record, HandoffCancelledError("decode handoff receiver shutting down"))
         self._sources.forget_all()
+        self._copier.close()
 
     def _new_transfer_id(self) -> int:
         while True:

@@ -23,13 +23,22 @@ from pdserve.handoff.errors import (
     error_from_code,
 )
 from pdserve.handoff.faults import SenderFaults
+from pdserve.handoff.futex import FUTEX_AVAILABLE
 from pdserve.handoff.kvcopy import cache_rows, combine_digests, digest
 from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece, SourceOffer
 from pdserve.handoff.peers import PeerLink
-from pdserve.handoff.piece_plan import READ_MIN_PIECE_BYTES, PieceSpec, choose_plan, plan_pieces
+from pdserve.handoff.piece_plan import (
+    READ_MIN_PIECE_BYTES,
+    SLOT_MIN_PIECE_BYTES,
+    PieceSpec,
+    choose_plan,
+    plan_pieces,
+)
+from pdserve.handoff.read_slots import MAX_SLOT_PIECES, REGION_BYTES, SlotTable
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
+from pdserve.handoff.ucp_memory import UcpMemoryError
 from pdserve.handoff.wire import (
     MAX_SOURCE_BLOCKS,
     PIECES_PER_FRAME,
@@ -78,6 +87,7 @@ class HandoffSender:
         self._counts = {"ok": 0, "failed": 0}
         self._heartbeat: asyncio.Task[None] | None = None
         self._exported: SourceOffer | None = None
+        self._last_rows: tuple[object, np.ndarray] | None = None  # see _rows_of
         transport.register(_ROLE_KINDS, self._on_frame)
         transport.on_shutdown(self._on_shutdown)
         transport.call_soon(self._start_heartbeats)
@@ -91,27 +101,49 @@ class HandoffSender:
         if region is None or not cache.is_contiguous() or cache.dim() != 6:
             self._exported = None
             return False
-        self._exported = SourceOffer(region.rkey, cache.data_ptr(), cache.shape[2], cache)
+        self._exported = SourceOffer(region.rkey, cache.data_ptr(), cache.shape[2], cache,
+                                     self._slot_table())
         return True
+
+    def _slot_table(self) -> SlotTable | None:
+        """The shared region read pieces are announced in (one per sender), if it can be had."""
+        current = self._exported.slots if self._exported is not None else None
+        if current is not None or not FUTEX_AVAILABLE:
+            return current
+        try:
+            memory = self._transport.share_host_memory(REGION_BYTES)
+        except UcpMemoryError as exc:
+            log.warning("no shared slots region (%s): read pieces go out as PIECE frames", exc)
+            return None
+        region = self._transport.shared_region(memory)
+        assert region is not None
+        return SlotTable(memory, region.rkey)
 
     def start_transfer(self, ticket: HandoffTicket, block_ids: Sequence[int], layout: KVLayout,
                        *, layers_per_piece: int | None = None,
                        direct_min_bytes: int | None = None,
-                       allow_reads: bool = True) -> OutboundTransfer:
+                       allow_reads: bool = True, allow_slots: bool = True) -> OutboundTransfer:
         """Begin the handoff of ``block_ids`` (this worker's blocks, in the request's token
         order) to the ticket's reservation. The receiver checks ``layout`` against what it
         reserved. A receiver on this host reads an exported cache itself; others get pushes.
 
         Overrides (benchmarks, tests): ``layers_per_piece`` forces pieces of that many layers
         (staged ones when pushed); ``direct_min_bytes`` replaces ``config.direct_min_piece_bytes``;
-        ``allow_reads=False`` pushes even where the receiver could read."""
+        ``allow_reads=False`` pushes even where the receiver could read; ``allow_slots=False``
+        announces read pieces by PIECE frames instead of the shared slots."""
         if len(block_ids) != ticket.num_blocks:
             raise ValueError(f"{len(block_ids)} source blocks for a ticket of {ticket.num_blocks}")
         id_list = [int(b) for b in block_ids]
         source = self._source_for(ticket, layout) if allow_reads else None
+        slot = None
         if source is not None:
-            plan = plan_pieces(layout, len(id_list), READ_MIN_PIECE_BYTES,
+            plan = plan_pieces(layout, len(id_list), SLOT_MIN_PIECE_BYTES,
                                ticket.max_piece_bytes, layers_per_piece)
+            if source.slots is not None and len(plan) <= MAX_SLOT_PIECES and allow_slots:
+                slot = source.slots.lease(ticket.receiver_address)
+            if slot is None:  # announced by PIECE frames: fewer, larger pieces
+                plan = plan_pieces(layout, len(id_list), READ_MIN_PIECE_BYTES,
+                                   ticket.max_piece_bytes, layers_per_piece)
         else:
             # Direct pieces need host memory on both sides (CUDA caches go through staging).
             runs = ticket.block_runs if self._pool.device.type == "cpu" else ()
@@ -122,7 +154,8 @@ class HandoffSender:
                 layers_per_piece=layers_per_piece)
         ids = torch.tensor(id_list, dtype=torch.int64, device=self._pool.device)
         transfer = OutboundTransfer(ticket, layout, ids, plan, self._pool,
-                                    time.monotonic() + (ticket.deadline - time.time()), source)
+                                    time.monotonic() + (ticket.deadline - time.time()), source,
+                                    slot)
         transfer.queue = asyncio.Queue()  # binds to the handoff loop on first use
         self._transport.call_soon(self._begin, transfer)  # runs before any later call_soon
         return transfer
@@ -143,15 +176,18 @@ class HandoffSender:
         if cache.device != self._pool.device:
             raise ValueError(f"cache on {cache.device}, sender staging on {self._pool.device}: "
                              f"construct HandoffSender(transport, device=cache.device)")
-        views: dict[KVLayout, np.ndarray] = {}  # host caches: one numpy view per layout
         for transfer in transfers:
-            src_rows = None
-            if not cache.is_cuda:
-                if transfer.layout not in views:
-                    views[transfer.layout] = cache_rows(cache, transfer.layout)
-                src_rows = views[transfer.layout]
+            src_rows = None if cache.is_cuda else self._rows_of(cache, transfer.layout)
             for piece in transfer.gather_layer(cache, layer, src_rows):
                 self._transport.call_soon(self._enqueue, transfer, piece)
+
+    def _rows_of(self, cache: torch.Tensor, layout: KVLayout) -> np.ndarray:
+        """The host cache's numpy byte rows (a view; kept for the next layer's call)."""
+        key = (cache.data_ptr(), tuple(cache.shape), cache.dtype, layout)
+        last = self._last_rows
+        if last is None or last[0] != key:
+            last = self._last_rows = (key, cache_rows(cache, layout))
+        return last[1]
 
     def send_all_layers(self, cache: torch.Tensor, transfers: Sequence[OutboundTransfer]) -> None:
         """Every layer at once (the KV already exists, e.g. a full prefix-cache hit)."""
@@ -161,7 +197,8 @@ class HandoffSender:
 
     def send_fence(self, transfer: OutboundTransfer, first_token_id: int) -> None:
         """After every layer was sent: announce completion with the first sampled token."""
-        transfer.request_fence()
+        if transfer.request_fence():
+            transfer.publish_fence(first_token_id)  # slot transfers: straight to the receiver
         self._transport.call_soon(self._enqueue, transfer, FenceRequest(first_token_id))
 
     def cancel(self, transfer: OutboundTransfer,
@@ -216,11 +253,7 @@ class HandoffSender:
                                    "num_blocks": ticket.num_blocks, "pid": os.getpid()})
             transfer.begun = True
             if transfer.source is not None:
-                link.send(Kind.SOURCE, {
-                    "tid": ticket.transfer_id, "rkey": transfer.source.rkey,
-                    "address": transfer.source.address + self._faults.source_address_shift,
-                    "cache_blocks": transfer.source.cache_blocks,
-                    "blocks": transfer.block_ids.numpy().astype("<u4").tobytes()})
+                link.send(Kind.SOURCE, self._source_body(transfer))
             records: list[tuple[PieceSpec, int, int]] = []
             while transfer.error is None:
                 pieces, last = await self._next_items(transfer)
@@ -231,12 +264,27 @@ class HandoffSender:
                 if pieces:
                     records.extend(await self._announce(transfer, link, pieces))
                 if isinstance(last, FenceRequest):
-                    link.send(Kind.FENCE, self._fence_body(transfer, last, records))
+                    if transfer.slot is None:  # else the fence went into the slot
+                        link.send(Kind.FENCE, self._fence_body(transfer, last, records))
                     break
                 if last is None and not pieces:
                     break  # woken to stop
         except HandoffError as exc:
             transfer.fail(exc)
+
+    def _source_body(self, transfer: OutboundTransfer) -> dict[str, object]:
+        source, slot = transfer.source, transfer.slot
+        assert source is not None
+        slots = source.slots if slot is not None else None
+        return {"tid": transfer.transfer_id, "rkey": source.rkey,
+                "address": source.address + self._faults.source_address_shift,
+                "cache_blocks": source.cache_blocks,
+                "blocks": transfer.block_ids.numpy().astype("<u4").tobytes(),
+                "slots_rkey": slots.rkey if slots is not None else b"",
+                "slots_address": slots.address if slots is not None else 0,
+                "slot": slot.slot if slot is not None else 0,
+                "slot_tag": slot.tag if slot is not None else 0,
+                "bell": slot.bell if slot is not None else 0}
 
     @staticmethod
     async def _next_items(transfer: OutboundTransfer,
@@ -352,6 +400,9 @@ class HandoffSender:
             return  # all sent; the receiver's DONE (or ABORT, or a dead link) decides
         for buffer in transfer.take_unfinished_buffers():
             self._pool.release(buffer)
+        slot = transfer.take_slot()
+        if slot is not None and transfer.source is not None and transfer.source.slots:
+            transfer.source.slots.release(slot)
         self._active.pop(transfer.transfer_id, None)
         transfer.link.transfers.discard(transfer)
         result = transfer.result()

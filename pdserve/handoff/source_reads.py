@@ -1,6 +1,6 @@
-"""Receiver side of same-host reads: map a sender's exported KV cache (once per sender session
-and region), check a transfer's SOURCE against it, and unmap once no queued copy can read it.
-Loop only."""
+"""Receiver side of same-host reads: map a sender's exported KV cache and slots region (once per
+sender session and region), check a transfer's SOURCE against them, follow its read slot, and
+unmap once no copy can read them any more. Loop only."""
 
 from __future__ import annotations
 
@@ -10,10 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.errors import HandoffProtocolError
+from pdserve.handoff.futex import FUTEX_AVAILABLE
+from pdserve.handoff.inbound import InboundTransfer
+from pdserve.handoff.kvcopy import joint_runs
 from pdserve.handoff.piece_plan import row_nbytes
+from pdserve.handoff.read_slots import NUM_BELLS, NUM_SLOTS, REGION_BYTES
 from pdserve.handoff.sessions import SenderSession
+from pdserve.handoff.slot_watch import ErrorHandler, RecordHandler, SlotWatcher
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.ucp_memory import PeerMemory, UcpMemoryError
 
@@ -24,25 +28,45 @@ MAX_REGIONS_PER_SESSION = 4
 
 
 @dataclass(frozen=True)
+class SlotFeed:
+    """Where a transfer's pieces and fence are announced: a slot of the sender's mapped slots
+    region, the tag its records are sealed with, and the bell the sender rings."""
+
+    memory: PeerMemory
+    slot: int
+    tag: int
+    bell: int
+
+
+@dataclass(frozen=True)
 class ReadSource:
     """Where one transfer's KV is read from: the sender's cache rows mapped into this process
-    (``[layers, 2, cache blocks, row bytes]``) and its block ids (int64, range-checked)."""
+    (``[layers, 2, cache blocks, row bytes]``, over ``memory``), its block ids (int64,
+    range-checked) and, if announced through shared memory, its slot."""
 
     rows: np.ndarray
     ids: np.ndarray
+    dst_ids: np.ndarray  # the reserved blocks the pieces land in (int64)
+    runs: list[tuple[int, int]]  # `joint_runs` of both id lists, found once per transfer
+    memory: PeerMemory
+    slot: SlotFeed | None = None
 
 
 class SourceMaps:
-    """Mappings of senders' exported caches, by session."""
+    """Mappings of senders' exported caches and slots regions, and slot watchers, by session."""
 
-    def __init__(self, transport: HandoffTransport) -> None:
+    def __init__(self, transport: HandoffTransport, on_record: RecordHandler,
+                 on_error: ErrorHandler) -> None:
         self._transport = transport
+        self._on_record, self._on_error = on_record, on_error
         self._maps: dict[int, dict[tuple[bytes, int, int], PeerMemory]] = {}
+        self._watchers: dict[int, SlotWatcher] = {}
 
-    def source_for(self, session: SenderSession, layout: KVLayout, num_blocks: int,
+    def source_for(self, session: SenderSession, record: InboundTransfer,
                    body: dict[str, Any]) -> ReadSource:
         """Validate a SOURCE frame (HandoffProtocolError naming what is wrong) and map the
         region it names; reads then stay inside that region whatever the pieces claim."""
+        layout, num_blocks = record.layout, record.num_blocks
         cache_blocks, raw_ids = body["cache_blocks"], body["blocks"]
         if not 0 < cache_blocks < 1 << 32:
             raise HandoffProtocolError(f"SOURCE names a cache of {cache_blocks} blocks")
@@ -57,7 +81,31 @@ class SourceMaps:
         shape = (layout.num_local_layers, 2, cache_blocks, row)
         nbytes = int(np.prod(shape))
         peer = self._map(session, body["rkey"], body["address"], nbytes)
-        return ReadSource(peer.array.reshape(shape), ids)
+        dst_ids = record.block_ids.numpy()
+        return ReadSource(peer.array.reshape(shape), ids, dst_ids, joint_runs(ids, dst_ids), peer,
+                          self._slot_feed(session, body))
+
+    def _slot_feed(self, session: SenderSession, body: dict[str, Any]) -> SlotFeed | None:
+        if not body["slots_rkey"]:
+            return None  # pieces come as PIECE frames
+        slot, tag, bell = body["slot"], body["slot_tag"], body["bell"]
+        if not (0 <= slot < NUM_SLOTS and 0 <= bell < NUM_BELLS and 0 <= tag < 1 << 64):
+            raise HandoffProtocolError(f"SOURCE names slot {slot}, bell {bell}, tag {tag}")
+        if not FUTEX_AVAILABLE:
+            raise HandoffProtocolError("read slots need futexes, which this platform lacks")
+        memory = self._map(session, body["slots_rkey"], body["slots_address"], REGION_BYTES)
+        return SlotFeed(memory, slot, tag, bell)
+
+    def follow(self, session: SenderSession, record: InboundTransfer, feed: SlotFeed) -> None:
+        """Watch ``record``'s slot (one watcher thread per session: one bell, one region)."""
+        watcher = self._watchers.get(session.session_id)
+        if watcher is None:
+            watcher = SlotWatcher(f"pdserve-handoff-slots-{session.session_id:x}", feed.memory,
+                                  feed.bell, self._on_record, self._on_error)
+            self._watchers[session.session_id] = watcher
+        elif watcher.memory is not feed.memory or watcher.bell != feed.bell:
+            raise HandoffProtocolError("a sender session's slots must share one region and bell")
+        watcher.follow(record, feed.slot, feed.tag)
 
     def _map(self, session: SenderSession, rkey: bytes, address: int,
              nbytes: int) -> PeerMemory:
@@ -80,10 +128,13 @@ class SourceMaps:
         return peer
 
     def forget(self, session_id: int) -> None:
-        """Unmap a session's regions once the payload work queued so far (copies that may read
-        them) has run. Call only when no live transfer of the session can queue more."""
+        """Stop following a session's slots and unmap its regions (each once no copy and no
+        watcher holds it). Call only when no live transfer of the session can read more."""
+        watcher = self._watchers.pop(session_id, None)
+        if watcher is not None:
+            watcher.stop()
         for peer in self._maps.pop(session_id, {}).values():
-            self._transport.after_payload_work(peer.close)
+            peer.close()
 
     def forget_all(self) -> None:
         for session_id in list(self._maps):

@@ -308,13 +308,6 @@ class HandoffTransport:
         """Map a same-host peer's shared memory (its rkey, over our endpoint to it)."""
         return PeerMemory.map(endpoint._ep.handle, rkey, remote_address, nbytes)
 
-    def after_payload_work(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the payload thread after the payload work queued so far (e.g. unmap
-        peer memory only once no queued copy can still read it). Dropped after `stop`: a copy
-        may still run then, and the process is about to let go of everything anyway."""
-        with contextlib.suppress(RuntimeError):  # executor shut down
-            self._payload.submit(fn)
-
     async def drain(self, tag: int) -> None:
         """Consume one message with ``tag`` into a 1-byte buffer: UCX truncates it, the sender's
         send completes, and not a byte of it lands anywhere."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,13 +152,17 @@ class PeerMemory:
 
     ``array`` is a uint8 view of ``nbytes`` at the peer's ``remote_address``. Reads are plain
     loads: if the peer dies, the mapping (and the bytes it last wrote) stays valid until
-    `close`, so a reader never faults. Close only when no reader can still use ``array``.
+    `close`, so a reader never faults. Readers on other threads `pin` it around each use;
+    `close` unmaps at once if none holds a pin, else when the last one lets go.
     """
 
     remote_address: int
     nbytes: int
     array: np.ndarray = field(repr=False)
     _rkey: int = field(repr=False, default=0)
+    _pins: int = field(repr=False, default=0)
+    _closing: bool = field(repr=False, default=False)
+    _lock: threading.Lock = field(repr=False, default_factory=threading.Lock)
 
     @classmethod
     def map(cls, endpoint_handle: int, rkey: bytes, remote_address: int,
@@ -185,7 +190,30 @@ class PeerMemory:
         array = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=np.uint8)
         return cls(remote_address, nbytes, array, int(handle.value or 0))
 
+    def pin(self) -> bool:
+        """Keep the mapping until `unpin`; False once it is closing (do not read then)."""
+        with self._lock:
+            if self._closing:
+                return False
+            self._pins += 1
+            return True
+
+    def unpin(self) -> None:
+        with self._lock:
+            self._pins -= 1
+            last = self._closing and self._pins == 0
+        if last:
+            self._destroy()
+
     def close(self) -> None:
-        if self._rkey:
-            _libucp().ucp_rkey_destroy(self._rkey)
-            self._rkey = 0
+        with self._lock:
+            self._closing = True
+            idle = self._pins == 0
+        if idle:
+            self._destroy()
+
+    def _destroy(self) -> None:
+        with self._lock:
+            rkey, self._rkey = self._rkey, 0
+        if rkey:
+            _libucp().ucp_rkey_destroy(rkey)

@@ -23,7 +23,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from pdserve.handoff.auth import MAC_BYTES, check_mac, mac
 
-WIRE_VERSION = 3
+WIRE_VERSION = 4
 MAGIC = b"PDHO"
 MAX_FRAME_BYTES = 64 * 1024
 _HEAD = struct.Struct("<4sBBHIQ")
@@ -74,7 +74,8 @@ _SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
                  "pid": int},
     Kind.PIECE: {"tid": int, "pieces": list, "read": bool},
     Kind.SOURCE: {"tid": int, "rkey": bytes, "address": int, "cache_blocks": int,
-                  "blocks": bytes},
+                  "blocks": bytes, "slots_rkey": bytes, "slots_address": int, "slot": int,
+                  "slot_tag": int, "bell": int},
     Kind.FENCE: {"tid": int, "num_pieces": int, "nbytes": int, "digest": int,
                  "first_token_id": int, "num_tokens": int},
     Kind.ABORT_TO_RECEIVER: {"tid": int, "code": str, "message": str},

@@ -18,10 +18,18 @@ from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.config import HandoffConfig
 from pdserve.handoff.errors import HandoffProtocolError
 from pdserve.handoff.inbound import InboundTransfer
-from pdserve.handoff.kvcopy import cache_rows, digest_rows, gather_piece, piece_view, read_piece
+from pdserve.handoff.kvcopy import (
+    cache_rows,
+    digest_rows,
+    gather_piece,
+    joint_runs,
+    piece_view,
+    read_piece,
+)
 from pdserve.handoff.piece_plan import PieceSpec, plan_pieces
 from pdserve.handoff.sessions import SenderSession
-from pdserve.handoff.source_reads import ReadSource, SourceMaps
+from pdserve.handoff.source_reads import ReadSource, SlotFeed, SourceMaps
+from pdserve.handoff.ucp_memory import PeerMemory
 
 LAYOUT = KVLayout("fp", "float16", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 CACHE_BLOCKS = 40
@@ -61,6 +69,11 @@ def test_read_piece_lands_exactly_the_piece_and_hashes_what_landed(
         assert gathered(dst, dst_ids, spec) == expected
         assert actual == xxhash.xxh3_64_intdigest(expected)
         assert actual == digest_rows(cache_rows(src, LAYOUT), np.array(src_ids), spec)
+        runs = joint_runs(src_ids, dst_ids)  # the transfer's runs, found once, clipped per piece
+        assert read_piece(cache_rows(src, LAYOUT), np.array(src_ids), cache_rows(dst, LAYOUT),
+                          np.array(dst_ids), spec, runs) == actual
+        assert digest_rows(cache_rows(src, LAYOUT), np.array(src_ids), spec,
+                           joint_runs(src_ids)) == actual
     others = [b for b in range(CACHE_BLOCKS) if b not in dst_ids]
     assert torch.equal(dst[:, :, others], untouched[:, :, others])
 
@@ -82,6 +95,22 @@ class _NoMapping:
         raise AssertionError("mapped memory although the SOURCE was invalid")
 
 
+def no_slots(*_: object) -> None:
+    raise AssertionError("a refused SOURCE must not reach the slot watcher")
+
+
+def source_maps() -> SourceMaps:
+    return SourceMaps(_NoMapping(), no_slots, no_slots)  # type: ignore[arg-type]
+
+
+def begun_record(ids: tuple[int, ...] = (10, 11, 12, 13)) -> InboundTransfer:
+    record = InboundTransfer("req", 77, LAYOUT, torch.tensor(ids), ids, 15,
+                             time.monotonic() + 10, 1 << 20, instance=5)
+    record.accept_begin(9, {"tid": 77, "instance": 5, "request_id": "req",
+                            "layout": LAYOUT.to_dict(), "num_blocks": len(ids), "pid": 1})
+    return record
+
+
 def session() -> SenderSession:
     loop = asyncio.new_event_loop()
     try:
@@ -96,31 +125,61 @@ def session() -> SenderSession:
     ({"blocks": np.array([1, 2, 3, 40], dtype="<u4").tobytes()}, "outside the sender's 40"),
 ])
 def test_source_refusals(changes: dict, reason: str) -> None:
-    body = {"tid": 1, "rkey": b"k", "address": 4096, "cache_blocks": CACHE_BLOCKS,
-            "blocks": np.arange(4, dtype="<u4").tobytes(), **changes}
-    maps = SourceMaps(_NoMapping())  # type: ignore[arg-type]
+    body = {**source_body(), **changes}
     with pytest.raises(HandoffProtocolError, match=reason):
-        maps.source_for(session(), LAYOUT, 4, body)
+        source_maps().source_for(session(), begun_record(), body)
+
+
+def source_body(**slots: object) -> dict[str, object]:
+    return {"tid": 1, "rkey": b"k", "address": 4096, "cache_blocks": CACHE_BLOCKS,
+            "blocks": np.arange(4, dtype="<u4").tobytes(), "slots_rkey": b"", "slots_address": 0,
+            "slot": 0, "slot_tag": 0, "bell": 0, **slots}
 
 
 def test_a_source_without_an_endpoint_back_is_refused() -> None:
-    body = {"tid": 1, "rkey": b"k", "address": 4096, "cache_blocks": CACHE_BLOCKS,
-            "blocks": np.arange(4, dtype="<u4").tobytes()}
     with pytest.raises(HandoffProtocolError, match="no endpoint back"):
-        SourceMaps(_NoMapping()).source_for(session(), LAYOUT, 4, body)  # type: ignore[arg-type]
+        source_maps().source_for(session(), begun_record(), source_body())
+
+
+@pytest.mark.parametrize(("slots", "reason"), [
+    ({"slot": 64}, "slot 64"), ({"slot": -1}, "slot -1"), ({"bell": 64}, "bell 64"),
+    ({"slot_tag": -5}, "tag -5"),
+])
+def test_a_source_naming_an_impossible_slot_is_refused(slots: dict, reason: str) -> None:
+    """Checked before the region is mapped: nothing past the slots a region holds is read."""
+    body = source_body(slots_rkey=b"s", slots_address=8192, **slots)
+    maps = SourceMaps(_Mapping(), no_slots, no_slots)  # type: ignore[arg-type]
+    with pytest.raises(HandoffProtocolError, match=reason):
+        maps.source_for(endpoint_session(), begun_record(), body)
+
+
+class _Mapping:
+    """A transport stand-in that maps the cache (any bytes will do for the checks here)."""
+
+    def map_peer_memory(self, endpoint: object, rkey: bytes, address: int,
+                        nbytes: int) -> object:
+        from pdserve.handoff.ucp_memory import PeerMemory
+
+        return PeerMemory(address, nbytes, np.zeros(nbytes, np.uint8))
+
+
+def endpoint_session() -> SenderSession:
+    loop = asyncio.new_event_loop()
+    try:
+        endpoint = loop.create_future()
+        endpoint.set_result(object())
+        return SenderSession(1, "host", b"n", b"n", time.monotonic(), endpoint)
+    finally:
+        loop.close()
 
 
 def test_read_pieces_need_a_source_and_pushed_pieces_must_not_have_one() -> None:
-    ids = (10, 11, 12, 13)
-    record = InboundTransfer("req", 77, LAYOUT, torch.tensor(ids), ids, 15,
-                             time.monotonic() + 10, 1 << 20, instance=5)
-    record.accept_begin(9, {"tid": 77, "instance": 5, "request_id": "req",
-                            "layout": LAYOUT.to_dict(), "num_blocks": 4, "pid": 1})
+    record = begun_record()
     header = {"index": 0, "layers": [0, 1], "kv": [0, 2], "blocks": [0, 4],
               "nbytes": 4 * LAYOUT.block_bytes, "digest": 0}
     with pytest.raises(HandoffProtocolError, match="without a SOURCE"):
         record.accept_piece(9, header, read=True)
-    source = ReadSource(np.zeros((3, 2, 4, 8), np.uint8), np.arange(4))
+    source = read_source()
     with pytest.raises(HandoffProtocolError, match="did not begin"):
         record.accept_source(8, source)
     record.accept_source(9, source)
@@ -129,6 +188,31 @@ def test_read_pieces_need_a_source_and_pushed_pieces_must_not_have_one() -> None
     record.accept_piece(9, header, read=True)
     with pytest.raises(HandoffProtocolError, match="SOURCE after pieces"):
         record.accept_source(9, source)
+
+
+def read_source(slot: SlotFeed | None = None) -> ReadSource:
+    memory = PeerMemory(4096, 8, np.zeros(8, np.uint8))
+    return ReadSource(np.zeros((3, 2, 4, 8), np.uint8), np.arange(4), np.arange(4), [(0, 4)],
+                      memory, slot)
+
+
+def test_a_transfer_takes_its_announcements_from_one_channel() -> None:
+    """Announced through a read slot: frames for it are refused, and the reverse."""
+    header = {"index": 0, "layers": [0, 1], "kv": [0, 2], "blocks": [0, 4],
+              "nbytes": 4 * LAYOUT.block_bytes, "digest": 0}
+    framed, slotted = begun_record(), begun_record()
+    framed.accept_source(9, read_source())
+    slotted.accept_source(9, read_source(SlotFeed(PeerMemory(1, 1, np.zeros(1, np.uint8)),
+                                                  3, 7, 1)))
+    with pytest.raises(HandoffProtocolError, match="slot the SOURCE did not name"):
+        framed.accept_piece(9, header, read=True, slotted=True)
+    with pytest.raises(HandoffProtocolError, match="frame for a transfer announced through"):
+        slotted.accept_piece(9, header, read=True)
+    slotted.accept_piece(9, header, read=True, slotted=True)
+    fence = {"num_pieces": 1, "nbytes": 4 * LAYOUT.block_bytes, "digest": 0,
+             "first_token_id": 1, "num_tokens": 15}
+    with pytest.raises(HandoffProtocolError, match="fence frame for a transfer announced"):
+        slotted.accept_fence(9, fence)
 
 
 def test_same_host_reads_setting_parses_from_the_environment() -> None:

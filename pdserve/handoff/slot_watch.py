@@ -1,0 +1,115 @@
+"""Receiver side of read slots: a watcher thread per sender session sleeps on the session's
+bell (a futex word in the sender's slots region) and hands each record that its transfers'
+slots publish, in order and only once its check passed, to the receiver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.handoff.errors import HandoffError, HandoffProtocolError
+from pdserve.handoff.inbound import InboundTransfer
+from pdserve.handoff.read_slots import SlotRegion, decode_record
+from pdserve.handoff.ucp_memory import PeerMemory
+
+log = logging.getLogger(__name__)
+# A record the count says is published but whose check keeps failing this long: the sender
+# lies or reused the slot (its transfer is over for it). Retried meanwhile (weak ordering).
+BAD_RECORD_S = 1.0
+_RETRY_S = 0.001
+# With nothing rung, look at the followed transfers this often anyway (ended ones are dropped).
+IDLE_WAIT_S = 0.5
+
+RecordHandler = Callable[[InboundTransfer, int, dict[str, Any]], bool]
+ErrorHandler = Callable[[InboundTransfer, HandoffError], None]
+
+
+@dataclass(eq=False)
+class _Follow:
+    record: InboundTransfer
+    slot: int
+    tag: int
+    consumed: int = 0
+    bad_since: float | None = None
+
+
+class SlotWatcher:
+    """Follows the slots of one sender session's read transfers.
+
+    ``on_record(record, kind, body)`` runs on the watcher thread for each valid record and
+    returns whether to keep following that transfer; ``on_error`` reports a slot that broke
+    the protocol. Holds a pin on the slots region until the thread exits (after `stop`).
+    """
+
+    def __init__(self, name: str, memory: PeerMemory, bell: int, on_record: RecordHandler,
+                 on_error: ErrorHandler) -> None:
+        if not memory.pin():
+            raise HandoffProtocolError("the sender's slots region is already unmapped")
+        self.memory, self.bell = memory, bell
+        self._region = SlotRegion(memory.array)
+        self._on_record, self._on_error = on_record, on_error
+        self._follows: list[_Follow] = []
+        self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def follow(self, record: InboundTransfer, slot: int, tag: int) -> None:
+        with self._lock:
+            self._follows.append(_Follow(record, slot, tag))
+        self._region.ring(self.bell)  # records published before this call were rung unseen
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._region.ring(self.bell)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                seen = self._region.bell(self.bell)
+                retry = self._scan()
+                if not self._stopped:
+                    self._region.wait(self.bell, seen, _RETRY_S if retry else IDLE_WAIT_S)
+        except Exception:  # never silently: the transfers would only time out
+            log.exception("read slot watcher %s died", self._thread.name)
+        finally:
+            self.memory.unpin()
+
+    def _scan(self) -> bool:
+        """Hand on every new record; True if some transfer waits on a record to turn valid."""
+        with self._lock:
+            follows = list(self._follows)
+        ended, retry = [], False
+        for follow in follows:
+            keep = not follow.record.terminal and self._advance(follow)
+            if not keep:
+                ended.append(follow)
+            retry |= keep and follow.bad_since is not None
+        if ended:
+            with self._lock:
+                self._follows = [f for f in self._follows if f not in ended]
+        return retry
+
+    def _advance(self, follow: _Follow) -> bool:
+        published = self._region.published(follow.slot)
+        while follow.consumed < published:
+            decoded = decode_record(self._region.record(follow.slot, follow.consumed), follow.tag)
+            if decoded is None:
+                now = time.monotonic()
+                follow.bad_since = follow.bad_since or now
+                if now - follow.bad_since < BAD_RECORD_S:
+                    return True
+                self._on_error(follow.record, HandoffProtocolError(
+                    f"read slot record {follow.consumed} still fails its check after "
+                    f"{BAD_RECORD_S}s"))
+                return False
+            follow.bad_since = None
+            follow.consumed += 1
+            if not self._on_record(follow.record, *decoded):
+                return False
+        return True
