@@ -17,6 +17,7 @@ class SenderFaults:
     corrupt_piece: int | None = None
     inflate_piece_bytes: int = 0
     source_address_shift: int = 0  # added to the cache address a SOURCE names (a lying peer)
+    corrupt_slot_record: int | None = None  # flip a bit of that read-slot record, after sealing
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,14 @@ class ReadCopier:
         self._count_lock = threading.Lock()
         self.num_read = 0  # pieces copied and verified
         self.num_dropped = 0  # pieces whose transfer ended before their copy started
+        self.num_pending = 0  # pieces submitted whose copy has not finished
 
     def submit(self, record: InboundTransfer, spec: PieceSpec) -> None:
+        self._count(pending=1)
         try:
             self._pool.submit(self._copy, record, spec)
         except RuntimeError:  # shutting down: the transfer is being cancelled anyway
-            self._count(dropped=1)
+            self._count(dropped=1, pending=-1)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -57,7 +59,7 @@ class ReadCopier:
             source = record.source
             started = source is not None and record.begin_direct_write()
         if not started or source is None:
-            return self._count(dropped=1)
+            return self._count(dropped=1, pending=-1)
         error: HandoffError | None = None
         actual = 0
         try:
@@ -76,7 +78,7 @@ class ReadCopier:
                 else:
                     error = record.digest_error(spec, actual)
             last = record.end_direct_write()
-        self._count(read=int(error is None))
+        self._count(read=int(error is None), pending=-1)
         if error is not None:
             self._end(record, error)
         elif complete:
@@ -103,7 +105,8 @@ class ReadCopier:
             rows = self._rows[record.layout] = cache_rows(self._cache, record.layout)
         return rows
 
-    def _count(self, read: int = 0, dropped: int = 0) -> None:
+    def _count(self, read: int = 0, dropped: int = 0, pending: int = 0) -> None:
         with self._count_lock:
             self.num_read += read
             self.num_dropped += dropped
+            self.num_pending += pending

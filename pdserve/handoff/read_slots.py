@@ -125,8 +125,12 @@ class SlotLease:
     slot: int
     tag: int
     bell: int
+    corrupt_record: int | None = None  # tests: a bit flipped after sealing (a torn write)
 
     def publish(self, position: int, record: np.ndarray) -> None:
+        if position == self.corrupt_record:
+            record = record.copy()
+            record[6] ^= np.uint64(1)
         self.region.publish(self.slot, position, record)
         self.region.ring(self.bell)
 
@@ -145,7 +149,8 @@ class SlotTable:
     def address(self) -> int:
         return self.region.address
 
-    def lease(self, receiver_address: bytes) -> SlotLease | None:
+    def lease(self, receiver_address: bytes,
+              corrupt_record: int | None = None) -> SlotLease | None:
         """A free slot (None when all are leased: the transfer announces through frames).
         Receivers get a bell by address hash: a shared bell only costs spurious wake-ups."""
         with self._lock:
@@ -154,7 +159,7 @@ class SlotTable:
             slot = self._free.pop()
         self.region.reset(slot)
         bell = xxhash.xxh3_64_intdigest(receiver_address) % NUM_BELLS
-        return SlotLease(self.region, slot, secrets.randbits(64), bell)
+        return SlotLease(self.region, slot, secrets.randbits(64), bell, corrupt_record)
 
     def release(self, lease: SlotLease) -> None:
         """After the transfer was released: its receiver reads the slot no more (and any

@@ -64,6 +64,8 @@ class ReceiverStats:
     num_direct_pieces: int  # received straight into reserved blocks
     num_staged_pieces: int  # received into staging, then scattered
     num_read_pieces: int  # read from a same-host sender's cache
+    num_slotted_transfers: int  # whose read pieces were announced in a shared read slot
+    num_pending_reads: int  # read pieces queued or being copied
     num_refused_peers: int
     num_rejected_frames: int
     staging: StagingStats
@@ -100,7 +102,7 @@ class HandoffReceiver:
         self._by_request: dict[str, InboundTransfer] = {}
         self._by_tid: dict[int, InboundTransfer] = {}
         self._writable: set[int] = set()
-        self._counts = {"ready": 0, "failed": 0, "rejected": 0}
+        self._counts = {"ready": 0, "failed": 0, "rejected": 0, "slotted": 0}
         self._sweeper: asyncio.Task[None] | None = None
         transport.register(_ROLE_KINDS, self._on_frame)
         transport.on_shutdown(self._on_shutdown)
@@ -215,7 +217,8 @@ class HandoffReceiver:
         return ReceiverStats(active, receiving, self._counts["ready"], self._counts["failed"],
                              self._landing.num_drained + self._copier.num_dropped,
                              self._landing.num_direct, self._landing.num_staged,
-                             self._copier.num_read,
+                             self._copier.num_read, self._counts["slotted"],
+                             self._copier.num_pending,
                              self._sessions.num_refused,
                              self._counts["rejected"], self._pool.stats())
 
@@ -330,6 +333,7 @@ class HandoffReceiver:
                     record.accept_source(session.session_id, source)
                 if source.slot is not None:
                     self._sources.follow(session, record, source.slot)
+                    self._counts["slotted"] += 1  # loop only
             except HandoffError as exc:
                 self._fail(record, exc, session)
         elif kind is Kind.PIECE:

@@ -61,6 +61,7 @@ class SenderStats:
     num_ok: int
     num_failed: int
     staging: StagingStats
+    num_free_read_slots: int  # of the exported slots region (0 without one)
 
 
 class HandoffSender:
@@ -140,7 +141,8 @@ class HandoffSender:
             plan = plan_pieces(layout, len(id_list), SLOT_MIN_PIECE_BYTES,
                                ticket.max_piece_bytes, layers_per_piece)
             if source.slots is not None and len(plan) <= MAX_SLOT_PIECES and allow_slots:
-                slot = source.slots.lease(ticket.receiver_address)
+                slot = source.slots.lease(ticket.receiver_address,
+                                          self._faults.corrupt_slot_record)
             if slot is None:  # announced by PIECE frames: fewer, larger pieces
                 plan = plan_pieces(layout, len(id_list), READ_MIN_PIECE_BYTES,
                                    ticket.max_piece_bytes, layers_per_piece)
@@ -213,8 +215,10 @@ class HandoffSender:
         self._transport.call_soon(self._on_shutdown)
 
     def stats(self) -> SenderStats:
+        slots = self._exported.slots if self._exported is not None else None
         return SenderStats(len(self._active), len(self._links), self._counts["ok"],
-                           self._counts["failed"], self._pool.stats())
+                           self._counts["failed"], self._pool.stats(),
+                           slots.num_free() if slots is not None else 0)
 
     # ---- loop: per-transfer pump --------------------------------------------------------------
     def _begin(self, transfer: OutboundTransfer) -> None:

@@ -168,12 +168,16 @@ class PeerMemory:
     def map(cls, endpoint_handle: int, rkey: bytes, remote_address: int,
             nbytes: int) -> PeerMemory:
         """Unpack ``rkey`` on the endpoint to its owner and map ``nbytes`` at its
-        ``remote_address``; refuses (UcpMemoryError) anything not inside one shared mapping,
-        so a lying peer cannot make us read outside what it shared."""
+        ``remote_address``; refuses (UcpMemoryError) anything not inside the one shared
+        mapping this unpack attached, so a lying peer cannot make us read outside what it
+        shared (not even another peer's region mapped next to it: UCX's address arithmetic
+        does not check bounds). Should UCX ever reuse an attachment, any one shared mapping
+        of this process must hold the range instead."""
         if not 0 < len(rkey) <= MAX_RKEY_BYTES or nbytes <= 0 or remote_address <= 0:
             raise UcpMemoryError("malformed shared-memory description")
         lib = _libucp()
         handle = _VOIDP()
+        before = {(m.start, m.end) for m in _mappings() if m.shared}
         _check(lib.ucp_ep_rkey_unpack(endpoint_handle, rkey, ctypes.byref(handle)),
                "ucp_ep_rkey_unpack")
         try:
@@ -181,7 +185,9 @@ class PeerMemory:
             _check(lib.ucp_rkey_ptr(handle, remote_address, ctypes.byref(local)),
                    "ucp_rkey_ptr (is the peer on another host?)")
             address = int(local.value or 0)
-            if not _shared_mapping_covers(address, nbytes):
+            shared = [m for m in _mappings() if m.shared]
+            attached = [m for m in shared if (m.start, m.end) not in before] or shared
+            if not any(m.start <= address and address + nbytes <= m.end for m in attached):
                 raise UcpMemoryError(
                     f"peer memory [{remote_address:#x}, +{nbytes}) is not inside what it shared")
         except BaseException:

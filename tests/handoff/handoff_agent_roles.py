@@ -78,13 +78,14 @@ class Roles:
         return True
 
     def make_sender(self, corrupt_piece: int | None = None, inflate_piece_bytes: int = 0,
-                    source_address_shift: int = 0) -> bool:
+                    source_address_shift: int = 0,
+                    corrupt_slot_record: int | None = None) -> bool:
         if self.sender is not None:
             self.sender.close()
         device = self.cache.device if self.cache is not None else "cpu"
         self.sender = HandoffSender(self.transport, device=device, faults=SenderFaults(
             corrupt_piece=corrupt_piece, inflate_piece_bytes=inflate_piece_bytes,
-            source_address_shift=source_address_shift))
+            source_address_shift=source_address_shift, corrupt_slot_record=corrupt_slot_record))
         # A cache in shared memory is exported: same-host receivers read it themselves.
         return self.cache is not None and self.sender.export_cache(self.cache)
 
@@ -144,12 +145,12 @@ class Roles:
     # ---- sender ---------------------------------------------------------------------------------
     def start(self, ticket: dict[str, Any], block_ids: list[int],
               layers_per_piece: int | None = None, direct_min_bytes: int | None = None,
-              allow_reads: bool = True) -> int:
+              allow_reads: bool = True, allow_slots: bool = True) -> int:
         assert self.sender is not None and self.layout is not None
         transfer = self.sender.start_transfer(HandoffTicket.from_dict(ticket), block_ids,
                                               self.layout, layers_per_piece=layers_per_piece,
                                               direct_min_bytes=direct_min_bytes,
-                                              allow_reads=allow_reads)
+                                              allow_reads=allow_reads, allow_slots=allow_slots)
         handle = len(self.transfers)
         self.transfers[handle] = transfer
         return handle
@@ -171,10 +172,12 @@ class Roles:
 
     def push(self, tickets: list[dict[str, Any]], block_ids: list[list[int]],
              first_token_id: int, layers_per_piece: int | None = None,
-             direct_min_bytes: int | None = None, allow_reads: bool = True) -> dict[str, Any]:
+             direct_min_bytes: int | None = None, allow_reads: bool = True,
+             allow_slots: bool = True) -> dict[str, Any]:
         """start + every layer (all transfers per layer, like one batch) + fence."""
         assert self.layout is not None
-        handles = [self.start(t, ids, layers_per_piece, direct_min_bytes, allow_reads)
+        handles = [self.start(t, ids, layers_per_piece, direct_min_bytes, allow_reads,
+                              allow_slots)
                    for t, ids in zip(tickets, block_ids, strict=True)]
         started = self.send_layers(handles, list(range(self.layout.num_local_layers)))
         self.fence(handles, first_token_id)

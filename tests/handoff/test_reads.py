@@ -1,7 +1,9 @@
 """Same-host reads between two real OS processes: the prefill cache lives in UCX shared memory,
 the decode side maps it (rkey) and copies each announced piece into its reserved blocks
-itself. Same guarantees as pushed pieces: byte-exact, digest-checked, nothing written after a
-cancel, the sender's blocks held until the reads are over, blocks back when a sender dies.
+itself. Pieces and fence are announced in a shared read slot (futex bell), or by frames when
+no slot is free. Same guarantees as pushed pieces: byte-exact, digest-checked, nothing written
+after a cancel, the sender's blocks held until the reads are over, blocks back when a sender
+dies.
 """
 
 from __future__ import annotations
@@ -65,6 +67,45 @@ def test_reads_are_byte_exact(pair, dtype: str, shape: str) -> None:
     assert ready["num_pieces"] == layout.num_local_layers
     assert sent["num_bytes_sent"] == ready["num_bytes"]
     assert receiver.call("receiver_stats")["writable_block_ids"] == []
+    assert receiver.call("receiver_stats")["num_slotted_transfers"] >= 1
+
+
+@pytest.mark.parametrize("slots", [True, False])
+def test_reads_announced_by_slot_or_by_frames_land_the_same(pair, slots: bool) -> None:
+    """A transfer that gets no read slot (all leased) announces its pieces by PIECE frames."""
+    receiver, sender = pair
+    rng = random.Random("reads-channel")
+    layout = random_layout(rng, "float16", num_layers=5)
+    assert setup_roles(receiver, sender, layout, seed=5, shared=True)
+    dst, src = pick_blocks(rng, 7), pick_blocks(rng, 7)
+    slotted_before = receiver.call("receiver_stats")["num_slotted_transfers"]
+    reads_before = piece_counts(receiver)["read"]
+    ready, sent = hand_off(receiver, sender, f"reads-channel-{slots}", dst, src, layout,
+                           layers_per_piece=1, allow_slots=slots)
+    assert ready["ok"] and sent["ok"], (ready, sent)
+    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+    stats = receiver.call("receiver_stats")
+    assert stats["num_slotted_transfers"] - slotted_before == int(slots)
+    assert stats["num_read_pieces"] - reads_before == layout.num_local_layers
+    # Released transfers give their slot back.
+    wait_until(lambda: sender.call("sender_stats")["num_free_read_slots"] == 64, 5,
+               "the slot to come back")
+
+
+def test_a_torn_slot_record_fails_the_transfer_and_releases_the_blocks(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("reads-torn")
+    layout = random_layout(rng, "float16", num_layers=3)
+    assert setup_roles(receiver, sender, layout, seed=9, shared=True,
+                       sender_faults={"corrupt_slot_record": 1})
+    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
+    ready, sent = hand_off(receiver, sender, "reads-torn", dst, src, layout,
+                           layers_per_piece=1)
+    assert ready["code"] == "protocol" and "fails its check" in ready["message"], ready
+    assert sent["code"] == "protocol", sent
+    assert receiver.call("receiver_stats")["writable_block_ids"] == []
+    wait_until(lambda: sender.call("sender_stats")["num_free_read_slots"] == 64, 5,
+               "the slot to come back")
 
 
 def test_sixteen_concurrent_reads_land_in_their_own_blocks(pair) -> None:
@@ -116,10 +157,12 @@ def test_cancel_during_reads_stops_all_writes(pair) -> None:
     assert receiver.call("cancel", request_id="reads-mid")
     sent = sender.call("result", handle=pushed["handles"][0], timeout=20)
     assert sent["code"] == "cancelled", sent
-    # Every read was still held back by the delay; when it ends, each finds the transfer over
-    # and copies nothing (counted as drained: dropped because their transfer ended).
-    wait_until(lambda: receiver.call("receiver_stats")["num_drained"] - drained_before
-               == layout.num_local_layers, 10, "every delayed read to find the transfer over")
+    # Every read handed on before the cancel was still held back by the delay; when it ends,
+    # each finds the transfer over and copies nothing (drained: its transfer had ended).
+    wait_until(lambda: receiver.call("receiver_stats")["num_pending_reads"] == 0, 10,
+               "every delayed read to find the transfer over")
+    drained = receiver.call("receiver_stats")["num_drained"] - drained_before
+    assert drained <= layout.num_local_layers
     assert receiver.call("read", block_ids=dst) == before
     assert piece_counts(receiver)["read"] == reads_before
     assert receiver.call("receiver_stats")["writable_block_ids"] == []

@@ -1,0 +1,212 @@
+"""Read slots without UCX: sealed records, the region's counts and bells, the futex that wakes a
+sleeping reader, slot leases, and the watcher that hands records on in order (over a region in
+this process's memory, standing in for a peer's mapped one)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pdserve.handoff.errors import HandoffError
+from pdserve.handoff.futex import FUTEX_AVAILABLE, futex_wait, futex_wake
+from pdserve.handoff.piece_plan import PieceSpec
+from pdserve.handoff.read_slots import (
+    KIND_FENCE,
+    KIND_PIECE,
+    NUM_SLOTS,
+    REGION_BYTES,
+    SLOT_RECORDS,
+    SlotRegion,
+    SlotTable,
+    decode_record,
+    fence_record,
+    piece_record,
+)
+from pdserve.handoff.slot_watch import BAD_RECORD_S, SlotWatcher
+from pdserve.handoff.ucp_memory import PeerMemory
+
+pytestmark = pytest.mark.skipif(not FUTEX_AVAILABLE, reason="read slots need Linux futexes")
+SPEC = PieceSpec(5, 2, 4, 16, 48, 0, 2)  # index 5, layers 2-3, blocks 16-47, K and V
+
+
+def test_records_round_trip_and_refuse_anything_else() -> None:
+    record = piece_record(SPEC, 123456, 0xDEADBEEFCAFEF00D, tag=99)
+    assert decode_record(record, 99) == (KIND_PIECE, {
+        "index": 5, "layers": [2, 4], "kv": [0, 2], "blocks": [16, 48], "nbytes": 123456,
+        "digest": 0xDEADBEEFCAFEF00D})
+    fence = fence_record(7, 1 << 40, 2**64 - 1, 31, 1000, tag=2**64 - 1)
+    assert decode_record(fence, 2**64 - 1) == (KIND_FENCE, {
+        "num_pieces": 7, "nbytes": 1 << 40, "digest": 2**64 - 1, "first_token_id": 31,
+        "num_tokens": 1000})
+    assert decode_record(record, 98) is None  # another lease of the slot: stale
+    for word in range(8):  # a torn or tampered record, whichever word
+        broken = record.copy()
+        broken[word] ^= np.uint64(1 << 17)
+        assert decode_record(broken, 99) is None
+
+
+def region() -> tuple[np.ndarray, SlotRegion]:
+    array = np.zeros(REGION_BYTES, np.uint8)
+    return array, SlotRegion(array)
+
+
+def test_published_counts_are_clamped_to_the_slot() -> None:
+    array, slots = region()
+    slots.publish(3, 0, piece_record(SPEC, 1, 2, tag=1))
+    assert slots.published(3) == 1 and slots.published(4) == 0
+    assert decode_record(slots.record(3, 0), 1) is not None
+    counts = array[64 * 64:].reshape(NUM_SLOTS, -1)[:, :4].view("<u4")
+    counts[3, 0] = 1 << 31  # a lying sender: never read past the slot's records
+    assert slots.published(3) == SLOT_RECORDS
+    slots.reset(3)
+    assert slots.published(3) == 0
+
+
+def test_a_rung_bell_wakes_a_sleeping_reader_and_a_moved_one_does_not_sleep() -> None:
+    _, slots = region()
+    woke = threading.Event()
+    seen = slots.bell(7)
+
+    def reader() -> None:
+        slots.wait(7, seen, timeout_s=30)
+        woke.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    started = time.monotonic()
+    while not woke.is_set():  # ring until it wakes: the reader may not be asleep yet
+        slots.ring(7)
+        woke.wait(0.01)
+    thread.join()
+    assert time.monotonic() - started < 10  # woken, not timed out (30 s)
+    assert slots.bell(7) != seen
+    started = time.monotonic()
+    slots.wait(7, seen, timeout_s=30)  # the word moved on: returns at once
+    assert time.monotonic() - started < 10
+
+
+def test_futex_wait_times_out_when_nobody_rings() -> None:
+    word = np.zeros(1, "<u4")
+    started = time.monotonic()
+    futex_wait(word.ctypes.data, 0, 0.05)
+    assert 0.04 <= time.monotonic() - started < 10
+    futex_wake(word.ctypes.data)  # nobody sleeps: harmless
+
+
+def test_slot_leases_run_out_and_come_back_with_a_new_tag() -> None:
+    table = SlotTable(torch.zeros(REGION_BYTES, dtype=torch.uint8), b"rkey")
+    leases = [table.lease(b"receiver-a") for _ in range(NUM_SLOTS)]
+    assert all(lease is not None for lease in leases)
+    assert len({lease.slot for lease in leases if lease}) == NUM_SLOTS
+    assert len({lease.bell for lease in leases if lease}) == 1  # one bell per receiver
+    assert table.lease(b"receiver-a") is None  # the transfer announces by frames then
+    first = leases[0]
+    assert first is not None
+    first.publish(0, piece_record(SPEC, 1, 2, first.tag))
+    table.release(first)
+    again = table.lease(b"receiver-a")
+    assert again is not None and again.slot == first.slot and again.tag != first.tag
+    assert again.region.published(again.slot) == 0  # the old records are not counted
+    assert decode_record(again.region.record(again.slot, 0), again.tag) is None
+
+
+class _Record:
+    """Stands in for an InboundTransfer: the watcher only asks whether it ended."""
+
+    def __init__(self) -> None:
+        self.terminal = False
+
+
+class _Handlers:
+    def __init__(self) -> None:
+        self.records: list[tuple[Any, int, dict[str, Any]]] = []
+        self.errors: list[tuple[Any, HandoffError]] = []
+        self.changed = threading.Condition()
+
+    def on_record(self, record: Any, kind: int, body: dict[str, Any]) -> bool:
+        with self.changed:
+            self.records.append((record, kind, body))
+            self.changed.notify_all()
+        return kind != KIND_FENCE
+
+    def on_error(self, record: Any, error: HandoffError) -> None:
+        with self.changed:
+            self.errors.append((record, error))
+            self.changed.notify_all()
+
+    def wait_for(self, predicate: Any, timeout: float = 10.0) -> bool:
+        with self.changed:
+            return self.changed.wait_for(predicate, timeout)
+
+
+def watched_region() -> tuple[SlotRegion, PeerMemory, _Handlers, SlotWatcher]:
+    array = np.zeros(REGION_BYTES, np.uint8)
+    memory = PeerMemory(4096, REGION_BYTES, array)
+    handlers = _Handlers()
+    watcher = SlotWatcher("test-slots", memory, 3, handlers.on_record, handlers.on_error)
+    return SlotRegion(array), memory, handlers, watcher
+
+
+def test_the_watcher_hands_on_records_in_order_until_the_fence() -> None:
+    slots, memory, handlers, watcher = watched_region()
+    try:
+        record = _Record()
+        slots.publish(9, 0, piece_record(SPEC, 10, 11, tag=5))  # before it was followed
+        watcher.follow(record, slot=9, tag=5)
+        assert handlers.wait_for(lambda: len(handlers.records) == 1)
+        for position in (1, 2):
+            slots.publish(9, position, piece_record(SPEC, 10, 20 + position, tag=5))
+            slots.ring(3)
+        slots.publish(9, 3, fence_record(3, 30, 0, 1, 4, tag=5))
+        slots.ring(3)
+        assert handlers.wait_for(lambda: len(handlers.records) == 4)
+        kinds = [kind for _, kind, _ in handlers.records]
+        assert kinds == [KIND_PIECE, KIND_PIECE, KIND_PIECE, KIND_FENCE]
+        assert [body.get("digest") for _, _, body in handlers.records[:3]] == [11, 21, 22]
+        slots.publish(9, 4, piece_record(SPEC, 10, 99, tag=5))  # after the fence: ignored
+        slots.ring(3)
+        other = _Record()  # a second transfer on the same watcher still gets its records
+        slots.publish(10, 0, fence_record(0, 0, 0, 1, 4, tag=6))
+        watcher.follow(other, slot=10, tag=6)
+        assert handlers.wait_for(lambda: len(handlers.records) == 5)
+        assert handlers.records[-1][0] is other and len(handlers.records) == 5
+        assert handlers.errors == []
+    finally:
+        watcher.stop()
+
+
+def test_a_record_that_never_passes_its_check_fails_the_transfer() -> None:
+    slots, _, handlers, watcher = watched_region()
+    try:
+        record = _Record()
+        slots.publish(2, 0, piece_record(SPEC, 10, 11, tag=1234))  # sealed with another tag
+        started = time.monotonic()
+        watcher.follow(record, slot=2, tag=77)
+        assert handlers.wait_for(lambda: handlers.errors, timeout=BAD_RECORD_S + 10)
+        assert time.monotonic() - started >= BAD_RECORD_S
+        assert handlers.errors[0][0] is record
+        assert "fails its check" in str(handlers.errors[0][1])
+        assert handlers.records == []
+    finally:
+        watcher.stop()
+
+
+def test_an_ended_transfer_is_dropped_and_a_stopped_watcher_lets_the_region_go() -> None:
+    slots, memory, handlers, watcher = watched_region()
+    assert memory._pins == 1  # held while watching: unmapping waits for the watcher
+    record = _Record()
+    record.terminal = True
+    slots.publish(1, 0, piece_record(SPEC, 10, 11, tag=8))
+    watcher.follow(record, slot=1, tag=8)
+    watcher.stop()
+    watcher._thread.join(10)
+    assert not watcher._thread.is_alive()
+    assert handlers.records == []  # it had ended: nothing handed on
+    assert memory._pins == 0
+    memory.close()
+    assert not memory.pin()  # closed: no reader may start on it
