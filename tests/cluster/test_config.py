@@ -286,3 +286,15 @@ def test_engine_config_carries_the_settings() -> None:
     assert engine.max_num_batched_tokens == cfg.engine.max_num_batched_tokens
     [problem] = problems_of(config_with(engine={"num_kv_blocks": 8, "kv_cache_memory_gb": 1.0}))
     assert problem.startswith("engine: give at most one of engine.num_kv_blocks")
+
+
+def test_handoff_read_settings_reach_the_workers_handoff_config() -> None:
+    from pdserve.cluster.app import handoff_config
+
+    cfg = parse_config(config_with(handoff__read_threads=3, handoff__same_host_reads=False))
+    built = handoff_config(cfg)
+    assert built.read_threads == 3 and built.same_host_reads is False
+    assert handoff_config(parse_config(config_with())).read_threads == 2
+    problems = problems_of(config_with(handoff__read_threads=0))
+    assert any(p.startswith("handoff.read_threads: Input should be greater than or equal to 1")
+               for p in problems), problems
