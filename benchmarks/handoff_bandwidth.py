@@ -2,6 +2,7 @@
 between two Ray nodes vs a plain TCP socket, for KV-shaped payloads of 1 to 256 MiB.
 
 Run: ``python benchmarks/handoff_bandwidth.py [--sizes 1,4,16,64,256] [--reps 5] [--no-ray]``
+Writes ``results/handoff_bandwidth.json`` and ``.png`` (GB/s and ratio to memcpy by size).
 
 Every number is the median over ``--reps`` runs after one warm-up, on one machine:
 - handoff: two spawned processes; from the first per-layer hook call on the sender to the
@@ -316,6 +317,34 @@ def table(sizes: list[int], columns: dict[str, Rates]) -> str:
     return "\n".join(lines)
 
 
+def rate_chart(sizes: list[int], columns: dict[str, Rates]) -> str:
+    """results/handoff_bandwidth.png: GB/s by size, and each method's ratio to memcpy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from _common import save_figure  # run as a script: benchmarks/ is on sys.path
+
+    fig, (rates, ratios) = plt.subplots(1, 2, figsize=(11, 4))
+    for index, (name, column) in enumerate(columns.items()):
+        style = dict(linestyle="--" if name in ("memcpy", "tcp", "ray") else "-", marker="o",
+                     color=f"C{index}", label=name)
+        rates.plot(sizes, [column[s][0] for s in sizes], **style)
+        if name != "memcpy":
+            ratios.plot(sizes, [column[s][0] / columns["memcpy"][s][0] for s in sizes], **style)
+    ratios.axhline(0.5, color="grey", linewidth=0.8, linestyle=":", label="target 0.5x")
+    for ax, ylabel in ((rates, "GB/s"), (ratios, "x memcpy in the same run")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("payload (MiB)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    rates.legend(fontsize=8)
+    ratios.legend(fontsize=8)
+    path = save_figure(fig, "handoff_bandwidth",
+                       f"KV handoff, two processes on {os.cpu_count()} CPUs (median per size)")
+    return str(path)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,4,16,64,256", help="payload sizes in MiB")
@@ -346,6 +375,13 @@ def main(argv: list[str] | None = None) -> None:
             ratios = [columns[kind][s][0] / columns["ray"][s][0] for s in sizes]
             print(f"handoff ({kind}) / ray object store: "
                   + ", ".join(f"{s} MiB {r:.1f}x" for s, r in zip(sizes, ratios, strict=True)))
+    from _common import save_json
+
+    print("wrote", save_json("handoff_bandwidth", {
+        "sizes_mib": sizes, "reps": args.reps,
+        "gb_per_s": {name: {str(s): col[s][0] for s in sizes} for name, col in columns.items()},
+        "ms": {name: {str(s): col[s][1] for s in sizes} for name, col in columns.items()}}))
+    print("wrote", rate_chart(sizes, columns))
 
 
 if __name__ == "__main__":
