@@ -31,21 +31,10 @@ from pdserve.handoff.kvcopy import (
     row_span,
 )
 from pdserve.handoff.piece_plan import PieceSpec, is_run
-from pdserve.handoff.read_slots import SlotLease, SlotTable, fence_record, piece_record
+from pdserve.handoff.read_offer import SourceOffer
+from pdserve.handoff.read_slots import SlotLease, fence_record, piece_record
 from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.ticket import HandoffTicket, SendResult
-
-
-@dataclass(frozen=True)
-class SourceOffer:
-    """Where a same-host receiver reads a transfer's KV itself: the exported cache's region
-    (rkey), the cache's address in this process and its number of blocks."""
-
-    rkey: bytes
-    address: int
-    cache_blocks: int
-    cache: torch.Tensor  # the exported cache; `send_layer` must be given this one
-    slots: SlotTable | None = None  # where read pieces are announced (None: PIECE frames)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Copies of the pieces a same-host receiver reads from its sender's exported cache: a small
-pool of threads (``HandoffConfig.read_threads``) copies and hashes pieces side by side, checks
-each against its announced digest and ends the transfer from the copying thread.
+"""Pieces a same-host receiver reads from its sender's exported cache: the records of a read
+slot checked like frames, then a small pool of threads (``HandoffConfig.read_threads``) that
+copies and hashes pieces side by side, checks each against its announced digest and ends the
+transfer from the copying thread.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.handoff.errors import HandoffError, HandoffPeerGoneError
+from pdserve.handoff.errors import HandoffError, HandoffPeerGoneError, HandoffProtocolError
 from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundTransfer
 from pdserve.handoff.kvcopy import cache_rows, read_piece
 from pdserve.handoff.piece_plan import PieceSpec
+from pdserve.handoff.read_slots import KIND_FENCE, KIND_PIECE
 
 log = logging.getLogger(__name__)
 EndFn = Callable[[InboundTransfer, "HandoffError | None"], object]
@@ -51,6 +54,32 @@ class ReadCopier:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def on_slot_record(self, record: InboundTransfer, kind: int, body: dict[str, Any]) -> bool:
+        """Watcher thread: a record of ``record``'s read slot, checked as its frame would be;
+        a piece is queued for copying. Returns whether more records follow (not after the
+        fence or a failure)."""
+        complete = False
+        try:
+            with record.write_lock:
+                if record.terminal or record.session_id is None:
+                    return False
+                if kind == KIND_PIECE:
+                    spec = record.accept_piece(record.session_id, body, True, slotted=True)
+                elif kind == KIND_FENCE:
+                    record.accept_fence(record.session_id, body, slotted=True)
+                    complete = record.completion() is not None
+                else:
+                    raise HandoffProtocolError(f"read slot record of unknown kind {kind}")
+        except HandoffError as exc:
+            self._end(record, exc)
+            return False
+        if kind == KIND_PIECE:
+            self.submit(record, spec)
+            return True
+        if complete:
+            self._end(record, None)
+        return False
 
     def _copy(self, record: InboundTransfer, spec: PieceSpec) -> None:
         if self._faults.recv_delay_s:

@@ -32,7 +32,6 @@ from pdserve.handoff.landing import PieceLanding
 from pdserve.handoff.liveness import process_alive
 from pdserve.handoff.piece_plan import MAX_TICKET_RUNS, PieceSpec, run_lengths
 from pdserve.handoff.read_copier import ReadCopier
-from pdserve.handoff.read_slots import KIND_FENCE, KIND_PIECE
 from pdserve.handoff.sessions import SenderSession, SessionTable
 from pdserve.handoff.source_reads import SourceMaps
 from pdserve.handoff.staging import StagingPool, StagingStats
@@ -97,7 +96,8 @@ class HandoffReceiver:
         self._sessions = SessionTable(transport)
         self._copier = ReadCopier(cache, self._config.read_threads, self._faults,
                                   self._end_from_thread, self._settle)
-        self._sources = SourceMaps(transport, self._on_slot_record, self._end_from_thread)
+        self._sources = SourceMaps(transport, self._copier.on_slot_record,
+                                   self._end_from_thread)
         self._lock = threading.Lock()  # guards the three registries below
         self._by_request: dict[str, InboundTransfer] = {}
         self._by_tid: dict[int, InboundTransfer] = {}
@@ -426,31 +426,6 @@ class HandoffReceiver:
             complete = not record.terminal and record.completion() is not None
         if complete:
             self._finish(record, None)
-
-    def _on_slot_record(self, record: InboundTransfer, kind: int, body: dict[str, Any]) -> bool:
-        """Watcher thread: a record of ``record``'s read slot, checked like its frame would
-        be. Returns whether more records follow (not after the fence or a failure)."""
-        complete = False
-        try:
-            with record.write_lock:
-                if record.terminal or record.session_id is None:
-                    return False
-                if kind == KIND_PIECE:
-                    spec = record.accept_piece(record.session_id, body, True, slotted=True)
-                elif kind == KIND_FENCE:
-                    record.accept_fence(record.session_id, body, slotted=True)
-                    complete = record.completion() is not None
-                else:
-                    raise HandoffProtocolError(f"read slot record of unknown kind {kind}")
-        except HandoffError as exc:
-            self._end_from_thread(record, exc)
-            return False
-        if kind == KIND_PIECE:
-            self._copier.submit(record, spec)
-            return True
-        if complete:
-            self._finish(record, None)
-        return False
 
     # ---- housekeeping ----------------------------------------------------------------------
     def _start_sweeper(self) -> None:

@@ -23,24 +23,18 @@ from pdserve.handoff.errors import (
     error_from_code,
 )
 from pdserve.handoff.faults import SenderFaults
-from pdserve.handoff.futex import FUTEX_AVAILABLE
 from pdserve.handoff.kvcopy import cache_rows, combine_digests, digest
-from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece, SourceOffer
+from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
 from pdserve.handoff.peers import PeerLink
 from pdserve.handoff.piece_plan import (
-    READ_MIN_PIECE_BYTES,
-    SLOT_MIN_PIECE_BYTES,
     PieceSpec,
     choose_plan,
-    plan_pieces,
 )
-from pdserve.handoff.read_slots import MAX_SLOT_PIECES, REGION_BYTES, SlotTable
+from pdserve.handoff.read_offer import SourceOffer
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
-from pdserve.handoff.ucp_memory import UcpMemoryError
 from pdserve.handoff.wire import (
-    MAX_SOURCE_BLOCKS,
     PIECES_PER_FRAME,
     Kind,
     WireError,
@@ -98,27 +92,9 @@ class HandoffSender:
         """Let receivers on this host read ``cache``'s blocks themselves (one copy, no message
         per piece) instead of receiving pushed pieces. Needs the cache in memory from
         `HandoffTransport.share_host_memory`; returns whether it is (else pushes as before)."""
-        region = self._transport.shared_region(cache)
-        if region is None or not cache.is_contiguous() or cache.dim() != 6:
-            self._exported = None
-            return False
-        self._exported = SourceOffer(region.rkey, cache.data_ptr(), cache.shape[2], cache,
-                                     self._slot_table())
-        return True
-
-    def _slot_table(self) -> SlotTable | None:
-        """The shared region read pieces are announced in (one per sender), if it can be had."""
-        current = self._exported.slots if self._exported is not None else None
-        if current is not None or not FUTEX_AVAILABLE:
-            return current
-        try:
-            memory = self._transport.share_host_memory(REGION_BYTES)
-        except UcpMemoryError as exc:
-            log.warning("no shared slots region (%s): read pieces go out as PIECE frames", exc)
-            return None
-        region = self._transport.shared_region(memory)
-        assert region is not None
-        return SlotTable(memory, region.rkey)
+        slots = self._exported.slots if self._exported is not None else None
+        self._exported = SourceOffer.export(self._transport, cache, slots)
+        return self._exported is not None
 
     def start_transfer(self, ticket: HandoffTicket, block_ids: Sequence[int], layout: KVLayout,
                        *, layers_per_piece: int | None = None,
@@ -135,17 +111,14 @@ class HandoffSender:
         if len(block_ids) != ticket.num_blocks:
             raise ValueError(f"{len(block_ids)} source blocks for a ticket of {ticket.num_blocks}")
         id_list = [int(b) for b in block_ids]
-        source = self._source_for(ticket, layout) if allow_reads else None
+        source = self._exported
+        if not (allow_reads and self._config.same_host_reads and source is not None
+                and source.serves(ticket, layout, self._transport.host)):
+            source = None
         slot = None
         if source is not None:
-            plan = plan_pieces(layout, len(id_list), SLOT_MIN_PIECE_BYTES,
-                               ticket.max_piece_bytes, layers_per_piece)
-            if source.slots is not None and len(plan) <= MAX_SLOT_PIECES and allow_slots:
-                slot = source.slots.lease(ticket.receiver_address,
-                                          self._faults.corrupt_slot_record)
-            if slot is None:  # announced by PIECE frames: fewer, larger pieces
-                plan = plan_pieces(layout, len(id_list), READ_MIN_PIECE_BYTES,
-                                   ticket.max_piece_bytes, layers_per_piece)
+            plan, slot = source.plan(ticket, layout, layers_per_piece, allow_slots,
+                                     self._faults.corrupt_slot_record)
         else:
             # Direct pieces need host memory on both sides (CUDA caches go through staging).
             runs = ticket.block_runs if self._pool.device.type == "cpu" else ()
@@ -161,15 +134,6 @@ class HandoffSender:
         transfer.queue = asyncio.Queue()  # binds to the handoff loop on first use
         self._transport.call_soon(self._begin, transfer)  # runs before any later call_soon
         return transfer
-
-    def _source_for(self, ticket: HandoffTicket, layout: KVLayout) -> SourceOffer | None:
-        offer = self._exported
-        usable = (offer is not None and self._config.same_host_reads and ticket.reads_source
-                  and ticket.receiver_host == self._transport.host
-                  and ticket.num_blocks <= MAX_SOURCE_BLOCKS
-                  and tuple(offer.cache.shape) == layout.cache_shape(offer.cache_blocks)
-                  and offer.cache.dtype == layout.torch_dtype)
-        return offer if usable else None
 
     def send_layer(self, cache: torch.Tensor, layer: int,
                    transfers: Sequence[OutboundTransfer]) -> None:
@@ -257,7 +221,9 @@ class HandoffSender:
                                    "num_blocks": ticket.num_blocks, "pid": os.getpid()})
             transfer.begun = True
             if transfer.source is not None:
-                link.send(Kind.SOURCE, self._source_body(transfer))
+                link.send(Kind.SOURCE, transfer.source.source_body(
+                    ticket.transfer_id, transfer.block_ids, transfer.slot,
+                    self._faults.source_address_shift))
             records: list[tuple[PieceSpec, int, int]] = []
             while transfer.error is None:
                 pieces, last = await self._next_items(transfer)
@@ -275,20 +241,6 @@ class HandoffSender:
                     break  # woken to stop
         except HandoffError as exc:
             transfer.fail(exc)
-
-    def _source_body(self, transfer: OutboundTransfer) -> dict[str, object]:
-        source, slot = transfer.source, transfer.slot
-        assert source is not None
-        slots = source.slots if slot is not None else None
-        return {"tid": transfer.transfer_id, "rkey": source.rkey,
-                "address": source.address + self._faults.source_address_shift,
-                "cache_blocks": source.cache_blocks,
-                "blocks": transfer.block_ids.numpy().astype("<u4").tobytes(),
-                "slots_rkey": slots.rkey if slots is not None else b"",
-                "slots_address": slots.address if slots is not None else 0,
-                "slot": slot.slot if slot is not None else 0,
-                "slot_tag": slot.tag if slot is not None else 0,
-                "bell": slot.bell if slot is not None else 0}
 
     @staticmethod
     async def _next_items(transfer: OutboundTransfer,
@@ -404,9 +356,8 @@ class HandoffSender:
             return  # all sent; the receiver's DONE (or ABORT, or a dead link) decides
         for buffer in transfer.take_unfinished_buffers():
             self._pool.release(buffer)
-        slot = transfer.take_slot()
-        if slot is not None and transfer.source is not None and transfer.source.slots:
-            transfer.source.slots.release(slot)
+        if transfer.source is not None:
+            transfer.source.release(transfer.take_slot())
         self._active.pop(transfer.transfer_id, None)
         transfer.link.transfers.discard(transfer)
         result = transfer.result()
