@@ -94,7 +94,7 @@ def test_futex_wait_times_out_when_nobody_rings() -> None:
     word = np.zeros(1, "<u4")
     started = time.monotonic()
     futex_wait(word.ctypes.data, 0, 0.05)
-    assert 0.04 <= time.monotonic() - started < 10
+    assert 0.02 <= time.monotonic() - started < 10  # it slept (a signal could cut it short)
     futex_wake(word.ctypes.data)  # nobody sleeps: harmless
 
 
