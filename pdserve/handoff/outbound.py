@@ -101,7 +101,7 @@ class OutboundTransfer:
     confirmed: bool = False  # the receiver said DONE: fence verified
     pump_done: bool = False
     sends: set[Any] = field(default_factory=set)
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # (slot transfers: counted by the compute thread as it publishes)
     pieces_sent: int = 0
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from handoff_agent import Agent
 from handoff_cases import CACHE_BLOCKS, pick_blocks, random_layout, reserve, setup_roles, wait_until
 
 from pdserve.engine.kv_layout import KVLayout
+from pdserve.handoff.read_slots import NUM_SLOTS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,6 +31,12 @@ def piece_counts(receiver: Agent) -> dict[str, int]:
 
 def landed_since(receiver: Agent, before: dict[str, int]) -> dict[str, int]:
     return {k: v - before[k] for k, v in piece_counts(receiver).items()}
+
+
+def wait_slots_returned(sender: Agent) -> None:
+    """Released transfers give their read slot back to the sender's table."""
+    wait_until(lambda: sender.call("sender_stats")["num_free_read_slots"] == NUM_SLOTS, 5,
+               "every read slot to come back")
 
 
 def consecutive(start: int, count: int) -> list[int]:
@@ -87,9 +94,7 @@ def test_reads_announced_by_slot_or_by_frames_land_the_same(pair, slots: bool) -
     stats = receiver.call("receiver_stats")
     assert stats["num_slotted_transfers"] - slotted_before == int(slots)
     assert stats["num_read_pieces"] - reads_before == layout.num_local_layers
-    # Released transfers give their slot back.
-    wait_until(lambda: sender.call("sender_stats")["num_free_read_slots"] == 64, 5,
-               "the slot to come back")
+    wait_slots_returned(sender)
 
 
 def test_a_torn_slot_record_fails_the_transfer_and_releases_the_blocks(pair) -> None:
@@ -104,8 +109,7 @@ def test_a_torn_slot_record_fails_the_transfer_and_releases_the_blocks(pair) -> 
     assert ready["code"] == "protocol" and "fails its check" in ready["message"], ready
     assert sent["code"] == "protocol", sent
     assert receiver.call("receiver_stats")["writable_block_ids"] == []
-    wait_until(lambda: sender.call("sender_stats")["num_free_read_slots"] == 64, 5,
-               "the slot to come back")
+    wait_slots_returned(sender)
 
 
 def test_sixteen_concurrent_reads_land_in_their_own_blocks(pair) -> None:
