@@ -14,13 +14,15 @@ from pdserve.engine.kv_layout import KVLayout
 # A ticket lists the receiver's block runs only up to this many; beyond it the blocks are too
 # scattered for direct pieces to pay, and the ticket says so with an empty list.
 MAX_TICKET_RUNS = 256
-# Pieces a same-host receiver reads itself group layers up to this size: a piece costs a
-# header and a payload-thread job (~0.2-0.3 ms on 2 busy cores), while smaller pieces start
-# the reads sooner. Measured (32-layer fp16 KV, medians of 3): 16 MiB transfers 18 ms with
-# one layer per piece, 11 ms at 4 MiB, 14 ms at 8 MiB; 64 MiB 37 / 28 / 28 ms.
+# Pieces a same-host receiver reads itself, announced by PIECE frames (no read slot free),
+# group layers up to this size: a frame costs ~0.2-0.3 ms on 2 busy cores, while smaller
+# pieces start the reads sooner. Measured (32-layer fp16 KV, medians of 3, one copy thread):
+# 16 MiB transfers 18 ms with one layer per piece, 11 ms at 4 MiB, 14 ms at 8 MiB; 64 MiB 37 /
+# 28 / 28 ms.
 READ_MIN_PIECE_BYTES = 4 << 20
-# Read pieces announced through shared slots cost a few microseconds each, not a frame:
-# smaller ones let the receiver's copies start sooner and overlap the sender's hashing.
+# Read pieces announced through shared slots cost tens of microseconds each, not a frame:
+# smaller ones let the receiver's copies start sooner and overlap the sender's hashing
+# (measured 0.5-4 MiB: within noise of each other at 16-256 MiB; 1 MiB kept).
 SLOT_MIN_PIECE_BYTES = 1 << 20
 
 
