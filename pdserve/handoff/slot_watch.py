@@ -59,6 +59,11 @@ class SlotWatcher:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """False once stopped or dead (a bug logged by the thread): follow nothing more."""
+        return not self._stopped and self._thread.is_alive()
+
     def follow(self, record: InboundTransfer, slot: int, tag: int) -> None:
         with self._lock:
             self._follows.append(_Follow(record, slot, tag))
@@ -75,7 +80,7 @@ class SlotWatcher:
                 retry = self._scan()
                 if not self._stopped:
                     self._region.wait(self.bell, seen, _RETRY_S if retry else IDLE_WAIT_S)
-        except Exception:  # never silently: the transfers would only time out
+        except Exception:  # never silently: its transfers end at their deadlines
             log.exception("read slot watcher %s died", self._thread.name)
         finally:
             self.memory.unpin()
@@ -86,7 +91,12 @@ class SlotWatcher:
             follows = list(self._follows)
         ended, retry = [], False
         for follow in follows:
-            keep = not follow.record.terminal and self._advance(follow)
+            try:
+                keep = not follow.record.terminal and self._advance(follow)
+            except Exception as exc:  # a bug: end this transfer loudly, keep serving the rest
+                log.exception("read slot %d of %r", follow.slot, follow.record.request_id)
+                self._on_error(follow.record, HandoffError(f"reading its slot failed: {exc}"))
+                keep = False
             if not keep:
                 ended.append(follow)
             retry |= keep and follow.bad_since is not None

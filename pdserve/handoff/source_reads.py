@@ -99,7 +99,7 @@ class SourceMaps:
     def follow(self, session: SenderSession, record: InboundTransfer, feed: SlotFeed) -> None:
         """Watch ``record``'s slot (one watcher thread per session: one bell, one region)."""
         watcher = self._watchers.get(session.session_id)
-        if watcher is None:
+        if watcher is None or not watcher.alive:  # a dead one's transfers end at their deadline
             watcher = SlotWatcher(f"pdserve-handoff-slots-{session.session_id:x}", feed.memory,
                                   feed.bell, self._on_record, self._on_error)
             self._watchers[session.session_id] = watcher

@@ -120,6 +120,7 @@ class _Record:
 
     def __init__(self) -> None:
         self.terminal = False
+        self.request_id = "req"
 
 
 class _Handlers:
@@ -210,3 +211,28 @@ def test_an_ended_transfer_is_dropped_and_a_stopped_watcher_lets_the_region_go()
     assert memory._pins == 0
     memory.close()
     assert not memory.pin()  # closed: no reader may start on it
+
+
+def test_a_failing_handler_ends_that_transfer_and_the_watcher_serves_the_next() -> None:
+    slots, memory, handlers, watcher = watched_region()
+    try:
+        calls = []
+
+        def flaky(record: Any, kind: int, body: dict[str, Any]) -> bool:
+            calls.append(record)
+            if len(calls) == 1:
+                raise RuntimeError("handler bug")
+            return handlers.on_record(record, kind, body)
+
+        watcher._on_record = flaky
+        first, second = _Record(), _Record()
+        slots.publish(4, 0, piece_record(SPEC, 10, 11, tag=3))
+        watcher.follow(first, slot=4, tag=3)
+        assert handlers.wait_for(lambda: handlers.errors)
+        assert handlers.errors[0][0] is first and "handler bug" in str(handlers.errors[0][1])
+        slots.publish(5, 0, piece_record(SPEC, 10, 12, tag=4))
+        watcher.follow(second, slot=5, tag=4)
+        assert handlers.wait_for(lambda: handlers.records)
+        assert handlers.records[0][0] is second and watcher.alive
+    finally:
+        watcher.stop()
