@@ -60,3 +60,20 @@ def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def check_deferred_free(receiver: Agent, sender: Agent, request_id: str,
+                        pushed: dict[str, Any], delay: float, dst: list[int],
+                        src: list[int]) -> None:
+    """A receiver slowed by ``delay`` before each piece has the first transfer of ``pushed``
+    in flight: the source blocks stay pinned until it is over, then the KV is ready and exact
+    (the deferred-free contract, whichever way the bytes move)."""
+    handle = pushed["handles"][0]
+    time.sleep(delay / 2)  # observation point inside the receiver's delay, not a wait
+    assert not sender.call("released", handle=handle), "source blocks released before the data left"
+    sent = sender.call("result", handle=handle, timeout=20)
+    assert sent["ok"], sent
+    # The transfer could only end once the slow receiver took its pieces.
+    assert sent["released_at"] - pushed["started_at"] >= delay
+    assert receiver.call("wait", request_id=request_id, timeout=20)["ok"]
+    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)

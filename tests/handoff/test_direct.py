@@ -6,14 +6,20 @@ staged pieces: byte-exact, digest-checked, no write after a cancel, blocks back 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from conftest import spawn_agents
 from handoff_agent import Agent
-from handoff_cases import CACHE_BLOCKS, random_layout, reserve, setup_roles, wait_until
+from handoff_cases import (
+    CACHE_BLOCKS,
+    check_deferred_free,
+    random_layout,
+    reserve,
+    setup_roles,
+    wait_until,
+)
 
 from pdserve.engine.kv_layout import KVLayout
 
@@ -129,13 +135,7 @@ def test_deferred_free_holds_direct_source_rows_until_a_slow_receiver_took_them(
     setup_roles(receiver, sender, layout, seed=13, receiver_faults={"recv_delay_s": delay})
     dst, src = runs_of(rng, [4]), runs_of(rng, [4])
     pushed = push_direct(receiver, sender, "direct-slow", dst, src, layout)
-    handle = pushed["handles"][0]
-    time.sleep(delay / 2)  # observation point inside the receiver's delay, not a wait
-    assert not sender.call("released", handle=handle), "source rows released before sent"
-    sent = sender.call("result", handle=handle, timeout=20)
-    assert sent["ok"] and sent["released_at"] - pushed["started_at"] >= delay
-    assert receiver.call("wait", request_id="direct-slow", timeout=20)["ok"]
-    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+    check_deferred_free(receiver, sender, "direct-slow", pushed, delay, dst, src)
 
 
 @pytest.fixture

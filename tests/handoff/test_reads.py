@@ -16,7 +16,15 @@ from typing import Any
 import pytest
 from conftest import spawn_agents
 from handoff_agent import Agent
-from handoff_cases import CACHE_BLOCKS, pick_blocks, random_layout, reserve, setup_roles, wait_until
+from handoff_cases import (
+    CACHE_BLOCKS,
+    check_deferred_free,
+    pick_blocks,
+    random_layout,
+    reserve,
+    setup_roles,
+    wait_until,
+)
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.read_slots import NUM_SLOTS
@@ -182,13 +190,7 @@ def test_deferred_free_holds_the_source_blocks_until_the_reads_are_over(pair) ->
     dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
     ticket = reserve(receiver, "reads-slow", dst, layout)
     pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)
-    handle = pushed["handles"][0]
-    time.sleep(delay / 2)  # observation point inside the receiver's delay, not a wait
-    assert not sender.call("released", handle=handle), "source blocks released before read"
-    sent = sender.call("result", handle=handle, timeout=20)
-    assert sent["ok"] and sent["released_at"] - pushed["started_at"] >= delay
-    assert receiver.call("wait", request_id="reads-slow", timeout=20)["ok"]
-    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+    check_deferred_free(receiver, sender, "reads-slow", pushed, delay, dst, src)
 
 
 def test_reads_can_be_declined_per_transfer(pair) -> None:

@@ -9,7 +9,14 @@ import time
 
 import pytest
 from handoff_agent import Agent
-from handoff_cases import pick_blocks, random_layout, reserve, setup_roles, wait_until
+from handoff_cases import (
+    check_deferred_free,
+    pick_blocks,
+    random_layout,
+    reserve,
+    setup_roles,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -89,15 +96,7 @@ def test_deferred_free_waits_for_a_slow_receiver(pair) -> None:
     dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
     ticket = reserve(receiver, "slow", dst, layout)
     pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)
-    handle = pushed["handles"][0]
-    time.sleep(delay / 2)  # observation point inside the receiver's delay, not a wait
-    assert not sender.call("released", handle=handle), "blocks released before the data left"
-    sent = sender.call("result", handle=handle, timeout=20)
-    ready = receiver.call("wait", request_id="slow", timeout=20)
-    assert sent["ok"] and ready["ok"]
-    # The send could only complete once the slow receiver posted its buffer.
-    assert sent["released_at"] - pushed["started_at"] >= delay
-    assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+    check_deferred_free(receiver, sender, "slow", pushed, delay, dst, src)
 
 
 def test_pieces_of_cancelled_or_unknown_transfers_are_drained_never_written(pair) -> None:
