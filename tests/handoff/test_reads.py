@@ -105,15 +105,29 @@ def test_reads_announced_by_slot_or_by_frames_land_the_same(pair, slots: bool) -
     wait_slots_returned(sender)
 
 
+def faulty_read(pair, name: str, dtype: str, num_layers: int, num_blocks: int, seed: int,
+                **faults: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, bytes]]:
+    """One read transfer between fresh roles with ``faults`` (``sender_faults=`` /
+    ``receiver_faults=``), one piece per layer; returns (receiver outcome, sender outcome,
+    the source's and the destination's bytes from before the transfer)."""
+    receiver, sender = pair
+    rng = random.Random(name)
+    layout = random_layout(rng, dtype, num_layers=num_layers)
+    assert setup_roles(receiver, sender, layout, seed=seed, shared=True, **faults)
+    dst, src = pick_blocks(rng, num_blocks), pick_blocks(rng, num_blocks)
+    def contents(suffix: str) -> dict[str, bytes]:
+        return {"src" + suffix: sender.call("read", block_ids=src),
+                "dst" + suffix: receiver.call("read", block_ids=dst)}
+
+    data = contents("")
+    ready, sent = hand_off(receiver, sender, name, dst, src, layout, layers_per_piece=1)
+    return ready, sent, {**data, **contents(" after")}
+
+
 def test_a_torn_slot_record_fails_the_transfer_and_releases_the_blocks(pair) -> None:
     receiver, sender = pair
-    rng = random.Random("reads-torn")
-    layout = random_layout(rng, "float16", num_layers=3)
-    assert setup_roles(receiver, sender, layout, seed=9, shared=True,
-                       sender_faults={"corrupt_slot_record": 1})
-    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
-    ready, sent = hand_off(receiver, sender, "reads-torn", dst, src, layout,
-                           layers_per_piece=1)
+    ready, sent, _ = faulty_read(pair, "reads-torn", "float16", 3, 4, 9,
+                                 sender_faults={"corrupt_slot_record": 1})
     assert ready["code"] == "protocol" and "fails its check" in ready["message"], ready
     assert sent["code"] == "protocol", sent
     assert receiver.call("receiver_stats")["writable_block_ids"] == []
@@ -138,18 +152,12 @@ def test_sixteen_concurrent_reads_land_in_their_own_blocks(pair) -> None:
 
 
 def test_a_bad_read_fails_with_a_digest_reason(pair) -> None:
-    receiver, sender = pair
-    rng = random.Random("reads-corrupt")
-    layout = random_layout(rng, "bfloat16", num_layers=4)
-    assert setup_roles(receiver, sender, layout, seed=7, shared=True,
-                       receiver_faults={"corrupt_read_piece": 2})
-    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
-    source = sender.call("read", block_ids=src)
-    ready, sent = hand_off(receiver, sender, "reads-corrupt", dst, src, layout,
-                           layers_per_piece=1)
+    receiver, _ = pair
+    ready, sent, data = faulty_read(pair, "reads-corrupt", "bfloat16", 4, 4, 7,
+                                    receiver_faults={"corrupt_read_piece": 2})
     assert ready["code"] == "digest" and "piece 2" in ready["message"], ready
     assert ready["blocks_released"] and sent["code"] == "digest", sent
-    assert sender.call("read", block_ids=src) == source  # reads never write the source
+    assert data["src after"] == data["src"]  # reads never write the source
     assert receiver.call("receiver_stats")["writable_block_ids"] == []
 
 
@@ -210,16 +218,11 @@ def test_reads_can_be_declined_per_transfer(pair) -> None:
 
 @pytest.mark.parametrize("shift", [1 << 40, -(1 << 20)])
 def test_a_source_outside_the_shared_region_is_refused(pair, shift: int) -> None:
-    receiver, sender = pair
-    rng = random.Random("reads-lie")
-    layout = random_layout(rng, "float16", num_layers=2)
-    assert setup_roles(receiver, sender, layout, seed=2, shared=True,
-                       sender_faults={"source_address_shift": shift})
-    dst, src = pick_blocks(rng, 3), pick_blocks(rng, 3)
-    before = receiver.call("read", block_ids=dst)
-    ready, sent = hand_off(receiver, sender, "reads-lie", dst, src, layout)
+    receiver, _ = pair
+    ready, sent, data = faulty_read(pair, "reads-lie", "float16", 2, 3, 2,
+                                    sender_faults={"source_address_shift": shift})
     assert ready["code"] == "protocol" and "cannot map" in ready["message"], ready
-    assert not sent["ok"] and receiver.call("read", block_ids=dst) == before
+    assert not sent["ok"] and data["dst after"] == data["dst"]
     assert receiver.call("receiver_stats")["writable_block_ids"] == []
 
 
