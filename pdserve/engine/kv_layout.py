@@ -5,7 +5,7 @@ The handoff carries a `KVLayout` with every transfer; a receiver refuses any tha
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -69,7 +69,7 @@ class KVLayout:
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def num_local_layers(self) -> int:
@@ -90,7 +90,7 @@ class KVLayout:
                 self.head_dim)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # all plain values
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:

@@ -23,7 +23,7 @@ from pdserve.handoff.errors import (
     HandoffProtocolError,
 )
 from pdserve.handoff.kvcopy import combine_digests
-from pdserve.handoff.piece_plan import PieceSpec, block_nbytes
+from pdserve.handoff.piece_plan import PieceSpec
 from pdserve.handoff.ticket import FenceInfo
 from pdserve.handoff.wire import MAX_PIECES
 
@@ -92,7 +92,7 @@ class InboundTransfer:
 
     @property
     def expected_bytes(self) -> int:
-        return self.layout.num_local_layers * self.num_blocks * block_nbytes(self.layout)
+        return self.layout.num_local_layers * self.num_blocks * self.layout.block_bytes
 
     @property
     def terminal(self) -> bool:

@@ -22,6 +22,8 @@ from pdserve.handoff.piece_plan import PieceSpec, common_segments, run_lengths
 CHUNK_BYTES = 1 << 20
 # Reads of a peer's cache copy and hash this much at a time: the hash then runs on bytes still
 # in L2 (measured on 2 cores: 6.3 GB/s copy+hash at 256 KiB, 5.4 at 1 MiB, 4.1 at 4 MiB).
+# Also the least a digest hashes per call where it can (python-xxhash keeps the GIL below
+# ~64 KiB; see `digest_rows`).
 READ_CHUNK_BYTES = 256 << 10
 _PIECE_RECORD = struct.Struct("<9Q")
 
@@ -172,18 +174,47 @@ def clip_runs(runs: Sequence[tuple[int, int]], start: int, end: int) -> list[tup
 def digest_rows(rows: np.ndarray, ids: np.ndarray, spec: PieceSpec,
                 runs: Sequence[tuple[int, int]] | None = None) -> int:
     """xxh3-64 of a piece's bytes where they sit in a host cache (``rows`` from `cache_rows`,
-    ``ids`` the request's block ids), without gathering them: what a sender announces for a
-    piece the receiver reads itself. A run of consecutive ids is hashed as one span
-    (``runs``: `joint_runs` of ``ids``, if already known)."""
+    ``ids`` the request's block ids): what a sender announces for a piece the receiver reads
+    itself. Runs of at least `READ_CHUNK_BYTES` are hashed in place (``runs``: `joint_runs`
+    of ``ids``, if already known); shorter ones are gathered into chunks of that size first,
+    because python-xxhash keeps the GIL while it hashes under ~64 KiB: a loop of 16 KiB
+    updates on the compute thread held the transport's loop thread off for whole 5 ms switch
+    intervals (a 256 MiB transfer's BEGIN went out 47 ms late)."""
     hasher = xxhash.xxh3_64()
     runs = joint_runs(ids) if runs is None else runs
     spans = [(int(ids[p]), n) for p, n in clip_runs(runs, spec.block_start, spec.block_end)]
-    for layer in range(spec.layer_start, spec.layer_end):
-        for kv in range(spec.kv_start, spec.kv_end):
-            plane = rows[layer, kv]
-            for first, length in spans:
-                hasher.update(plane[first:first + length])
+    step = max(1, READ_CHUNK_BYTES // rows.shape[-1])
+    if all(length >= step for _, length in spans):
+        for layer in range(spec.layer_start, spec.layer_end):
+            for kv in range(spec.kv_start, spec.kv_end):
+                plane = rows[layer, kv]
+                for first, length in spans:
+                    hasher.update(plane[first:first + length])
+        return hasher.intdigest()
+    order = piece_row_order(spec, ids, rows.shape[2])
+    flat = flat_rows(rows)
+    scratch = np.empty((min(step, len(order)), rows.shape[-1]), dtype=np.uint8)
+    for start in range(0, len(order), step):
+        chunk = scratch[:min(step, len(order) - start)]
+        np.take(flat, order[start:start + step], axis=0, out=chunk, mode="clip")
+        hasher.update(chunk)
     return hasher.intdigest()
+
+
+def piece_row_order(spec: PieceSpec, ids: np.ndarray, num_cache_blocks: int) -> np.ndarray:
+    """The piece's rows in wire order (layer, K/V, block), as indices into `flat_rows` of a
+    cache with ``num_cache_blocks`` blocks (``ids``: the request's checked block ids)."""
+    planes = (np.arange(spec.layer_start, spec.layer_end)[:, None] * 2
+              + np.arange(spec.kv_start, spec.kv_end)[None, :]).reshape(-1, 1)
+    return (planes * num_cache_blocks
+            + np.asarray(ids[spec.block_start:spec.block_end], dtype=np.int64)).reshape(-1)
+
+
+def flat_rows(rows: np.ndarray) -> np.ndarray:
+    """`cache_rows` as ``[layers * 2 * blocks, row bytes]``: a view (refused if it would copy)."""
+    if not rows.flags.c_contiguous:
+        raise ValueError("cache rows are not contiguous: a flat view would be a copy")
+    return rows.reshape(-1, rows.shape[-1])
 
 
 def read_piece(src: np.ndarray, src_ids: np.ndarray, dst: np.ndarray, dst_ids: np.ndarray,

@@ -66,11 +66,6 @@ def row_nbytes(layout: KVLayout) -> int:
     return layout.block_elements * layout.torch_dtype.itemsize
 
 
-def block_nbytes(layout: KVLayout) -> int:
-    """``layout.block_bytes`` without its scratch tensor (~10x cheaper; called per piece)."""
-    return 2 * row_nbytes(layout)
-
-
 def run_lengths(block_ids: Sequence[int]) -> list[int]:
     """Lengths of the maximal runs of consecutive ascending ids, in order."""
     runs: list[int] = []
@@ -116,15 +111,15 @@ def plan_pieces(
     ``max_piece_bytes`` is split by blocks.
     """
     num_layers = layout.num_local_layers
-    layer_bytes = num_blocks * block_nbytes(layout)
-    if block_nbytes(layout) > max_piece_bytes:
+    layer_bytes = num_blocks * layout.block_bytes
+    if layout.block_bytes > max_piece_bytes:
         raise ValueError(
-            f"one KV block ({block_nbytes(layout)} bytes) exceeds the receiver's piece bound "
+            f"one KV block ({layout.block_bytes} bytes) exceeds the receiver's piece bound "
             f"({max_piece_bytes} bytes)"
         )
     pieces: list[PieceSpec] = []
     if layer_bytes > max_piece_bytes:
-        step = max_piece_bytes // block_nbytes(layout)
+        step = max_piece_bytes // layout.block_bytes
         for layer in range(num_layers):
             for start in range(0, num_blocks, step):
                 end = min(num_blocks, start + step)

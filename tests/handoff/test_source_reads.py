@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.kv_layout import KVLayout
+from pdserve.handoff import kvcopy
 from pdserve.handoff.config import HandoffConfig
 from pdserve.handoff.errors import HandoffProtocolError
 from pdserve.handoff.inbound import InboundTransfer
@@ -76,6 +77,23 @@ def test_read_piece_lands_exactly_the_piece_and_hashes_what_landed(
                            joint_runs(src_ids)) == actual
     others = [b for b in range(CACHE_BLOCKS) if b not in dst_ids]
     assert torch.equal(dst[:, :, others], untouched[:, :, others])
+
+
+def test_digest_rows_hashes_long_runs_in_place_and_gathers_short_ones_alike(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    src = random_cache(5)
+    ids = [3, 4, 5, 6, 7, 20, 9, 10, 11]  # runs of 5, 1 and 3 blocks
+    rows = cache_rows(src, LAYOUT)
+    spec = plan_pieces(LAYOUT, len(ids), 1, 1 << 20, LAYOUT.num_layers)[0]
+    expected = xxhash.xxh3_64_intdigest(gathered(src, ids, spec))
+    assert digest_rows(rows, np.array(ids), spec) == expected  # runs shorter than a chunk
+
+    def no_gather(_: np.ndarray) -> np.ndarray:
+        raise AssertionError("gathered although every run reaches a chunk")
+
+    monkeypatch.setattr(kvcopy, "READ_CHUNK_BYTES", rows.shape[-1])  # a chunk is one block
+    monkeypatch.setattr(kvcopy, "flat_rows", no_gather)
+    assert digest_rows(rows, np.array(ids), spec) == expected
 
 
 def test_a_corrupted_read_changes_the_digest() -> None:
