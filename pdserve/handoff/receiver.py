@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -21,36 +20,26 @@ from pdserve.handoff.errors import (
     HandoffCancelledError,
     HandoffError,
     HandoffPeerGoneError,
-    HandoffProtocolError,
     HandoffTimeoutError,
     HandoffUnknownTransferError,
-    error_from_code,
 )
 from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundState, InboundTransfer
 from pdserve.handoff.landing import PieceLanding
 from pdserve.handoff.liveness import process_alive
-from pdserve.handoff.piece_plan import MAX_TICKET_RUNS, PieceSpec, run_lengths
+from pdserve.handoff.piece_plan import MAX_TICKET_RUNS, run_lengths
 from pdserve.handoff.read_copier import ReadCopier
+from pdserve.handoff.receiver_frames import RECEIVER_KINDS, ReceiverFrames
 from pdserve.handoff.sessions import SenderSession, SessionTable
 from pdserve.handoff.source_reads import SourceMaps
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import FenceInfo, HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import (
-    MAX_PIECES,
-    PIECES_PER_FRAME,
-    Frame,
     Kind,
-    WireError,
-    data_tag,
-    peek,
-    piece_header,
 )
 
 log = logging.getLogger(__name__)
-_ROLE_KINDS = (Kind.HELLO, Kind.PROOF, Kind.BEGIN, Kind.SOURCE, Kind.PIECE, Kind.FENCE,
-               Kind.ABORT_TO_RECEIVER, Kind.PING)
 
 
 @dataclass(frozen=True)
@@ -104,7 +93,11 @@ class HandoffReceiver:
         self._writable: set[int] = set()
         self._counts = {"ready": 0, "failed": 0, "rejected": 0, "slotted": 0}
         self._sweeper: asyncio.Task[None] | None = None
-        transport.register(_ROLE_KINDS, self._on_frame)
+        self._frames = ReceiverFrames(self._sessions, self._sources, self._landing,
+                                      self._copier, transport.host, self._by_tid.get,
+                                      (self._fail, self._finish, self._maybe_ready),
+                                      self._counts)
+        transport.register(RECEIVER_KINDS, self._frames.on_frame)
         transport.on_shutdown(self._on_shutdown)
         transport.call_soon(self._start_sweeper)
 
@@ -199,7 +192,7 @@ class HandoffReceiver:
 
     def close(self) -> None:
         """Cancel every live transfer and stop handling frames (the transport keeps running)."""
-        self._transport.unregister(_ROLE_KINDS, self._on_frame)
+        self._transport.unregister(RECEIVER_KINDS, self._frames.on_frame)
         self._transport.remove_shutdown_hook(self._on_shutdown)
         self._on_shutdown()
         if self._sweeper is not None:
@@ -307,119 +300,6 @@ class HandoffReceiver:
         if not record.terminal:
             self._fail(record, HandoffTimeoutError(
                 f"handoff of {record.request_id!r} missed its deadline ({record.progress()})"))
-
-    # ---- frames --------------------------------------------------------------------------
-    def _on_frame(self, kind: Kind, raw: bytes) -> None:
-        try:
-            if kind is Kind.HELLO:
-                return self._sessions.on_hello(raw)
-            if kind is Kind.PROOF:
-                return self._sessions.on_proof(raw)
-            frame, session = self._sessions.authenticate(raw, peek(raw)[1])
-        except WireError as exc:
-            self._counts["rejected"] += 1
-            log.warning("rejected a %s frame: %s", kind.name, exc)
-            return None
-        if kind is Kind.PING:
-            self._sessions.send(session, Kind.PONG, {"seq": frame.body["seq"]})
-            return None
-        record = self._by_tid.get(frame.body["tid"])
-        if kind is Kind.BEGIN:
-            self._on_begin(record, frame, session)
-        elif kind is Kind.SOURCE and record is not None and not record.terminal:
-            try:
-                source = self._sources.source_for(session, record, frame.body)
-                with record.write_lock:
-                    record.accept_source(session.session_id, source)
-                if source.slot is not None:
-                    self._sources.follow(session, record, source.slot)
-                    self._counts["slotted"] += 1  # loop only
-            except HandoffError as exc:
-                self._fail(record, exc, session)
-        elif kind is Kind.PIECE:
-            self._on_pieces(record, frame, session)
-        elif kind is Kind.FENCE and record is not None and not record.terminal:
-            try:
-                with record.write_lock:  # read threads may be landing pieces
-                    record.accept_fence(session.session_id, frame.body)
-            except HandoffError as exc:
-                return self._fail(record, exc, session)
-            self._maybe_ready(record)
-        elif (kind is Kind.ABORT_TO_RECEIVER and record is not None and not record.terminal
-              and record.session_id == session.session_id):
-            cause = error_from_code(frame.body["code"], frame.body["message"])
-            self._finish(record, type(cause)(f"sender aborted: {cause}"))
-        return None
-
-    def _on_begin(self, record: InboundTransfer | None, frame: Frame,
-                  session: SenderSession) -> None:
-        tid = frame.body["tid"]
-        if record is None or record.terminal:
-            reason = (record.error if record is not None and record.error is not None
-                      else HandoffUnknownTransferError(f"no live reservation for transfer {tid}"))
-            self._sessions.send(session, Kind.ABORT_TO_SENDER,
-                                {"tid": tid, "code": reason.code, "message": str(reason)})
-            return
-        try:
-            record.accept_begin(session.session_id, frame.body)
-        except HandoffError as exc:
-            self._fail(record, exc, session)
-            return
-        if session.host != self._transport.host:
-            record.sender_pid = None  # another host's pid says nothing here
-
-    def _on_pieces(self, record: InboundTransfer | None, frame: Frame,
-                   session: SenderSession) -> None:
-        entries = frame.body["pieces"]
-        if len(entries) > PIECES_PER_FRAME:
-            if record is not None:
-                self._fail(record, HandoffProtocolError(
-                    f"{len(entries)} pieces in one frame (at most {PIECES_PER_FRAME})"), session)
-            return
-        to_read = []
-        for entry in entries:
-            try:
-                header = piece_header(entry)
-            except WireError as exc:
-                if record is not None:
-                    self._fail(record, HandoffProtocolError(str(exc)), session)
-                return
-            spec = self._on_piece(record, frame.body["tid"], header, session, frame.body["read"])
-            if spec is not None:
-                to_read.append(spec)
-        for spec in to_read if record is not None else ():
-            self._copier.submit(record, spec)
-
-    def _on_piece(self, record: InboundTransfer | None, tid: int, header: dict[str, Any],
-                  session: SenderSession, read: bool) -> PieceSpec | None:
-        """Check one announced piece; a pushed one is received (or drained) right away, a
-        piece to read is returned for the caller to read with the rest of its frame."""
-        index = header["index"]
-        if not 0 <= index < MAX_PIECES:
-            if record is not None:
-                error = HandoffProtocolError(f"piece index {index} out of range")
-                self._fail(record, error, session)
-            return None
-        tag = data_tag(tid, index)
-        if record is None or record.terminal:
-            if not read:  # a read piece has no payload to drain
-                self._landing.drain(tid, tag)
-            return None
-        try:
-            if read:  # read threads may be landing this transfer's pieces meanwhile
-                with record.write_lock:
-                    spec = record.accept_piece(session.session_id, header, read)
-            else:
-                spec = record.accept_piece(session.session_id, header, read)
-        except HandoffError as exc:
-            self._fail(record, exc, session)
-            if not read:
-                self._landing.drain(tid, tag)
-            return None
-        if read:
-            return spec
-        self._landing.receive(record, spec, tag)
-        return None
 
     def _maybe_ready(self, record: InboundTransfer) -> None:
         with record.write_lock:
