@@ -13,6 +13,9 @@ Every number is the median over ``--reps`` runs after one warm-up, on one machin
   "push": an ordinary sender cache, pieces sent over UCX (staged when scattered; direct once
   a layer's K or V reaches ``direct_min_piece_bytes``, i.e. from 32 blocks = 32 MiB here).
 - memcpy: ``np.copyto`` of the same number of bytes in this process (the ceiling).
+- ideal read: the read's kernels (in-place digest per layer, a futex bell, two threads
+  copying and hashing) between two processes with no protocol at all (`_ideal_read`): what
+  this machine allows a verified same-host read; "read / ideal" is pdserve's overhead.
 - tcp: two processes, ``sendall``/``recv_into`` over 127.0.0.1, first byte sent to last byte in.
 - ray: two Ray nodes started here (``ray.cluster_utils.Cluster``: separate raylets and object
   stores, its own temp dir, shut down by its own pids); ``ray.put`` in an actor pinned to one
@@ -219,6 +222,17 @@ def measure_handoff(sizes: list[int], reps: int, contiguous: bool, reads: bool) 
                 process.kill()
 
 
+def measure_ideal(sizes: list[int], reps: int, contiguous: bool) -> Rates:
+    from _ideal_read import measure_ideal as run_ideal
+
+    timings = run_ideal(bench_layout(), BENCH_CONFIG["max_piece_bytes"], sizes, reps, contiguous,
+                        max(sizes) + 8)
+    results = {size: median_rate(size * MIB, timings[size]) for size in sizes}
+    for size in sizes:
+        report(f"ideal read {'runs' if contiguous else 'scattered'}", size, results[size])
+    return results
+
+
 def measure_tcp(sizes: list[int], reps: int) -> Rates:
     ctx = multiprocessing.get_context("spawn")
     max_bytes = max(sizes) * MIB
@@ -327,7 +341,8 @@ def rate_chart(sizes: list[int], columns: dict[str, Rates]) -> str:
 
     fig, (rates, ratios) = plt.subplots(1, 2, figsize=(11, 4))
     for index, (name, column) in enumerate(columns.items()):
-        style = dict(linestyle="--" if name in ("memcpy", "tcp", "ray") else "-", marker="o",
+        baseline = name in ("memcpy", "tcp", "ray") or name.startswith("ideal")
+        style = dict(linestyle="--" if baseline else "-", marker="o",
                      color=f"C{index}", label=name)
         rates.plot(sizes, [column[s][0] for s in sizes], **style)
         if name != "memcpy":
@@ -360,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
                                                  contiguous=kind == "runs",
                                                  reads=mode == "read"))
           for mode in ("read", "push") for kind in ("scattered", "runs")),
+        *((f"ideal read {kind}", functools.partial(measure_ideal, sizes, args.reps,
+                                                    contiguous=kind == "runs"))
+          for kind in ("scattered", "runs")),
         ("tcp", lambda: measure_tcp(sizes, args.reps)),
     ]
     if not args.no_ray:
@@ -370,6 +388,11 @@ def main(argv: list[str] | None = None) -> None:
         columns[name] = run()
     print()
     print(table(sizes, columns))
+    for kind in ("scattered", "runs"):
+        ratios = [columns[f"read {kind}"][s][0] / columns[f"ideal read {kind}"][s][0]
+                  for s in sizes]
+        print(f"handoff (read {kind}) / ideal read: "
+              + ", ".join(f"{s} MiB {r:.2f}x" for s, r in zip(sizes, ratios, strict=True)))
     if "ray" in columns:
         for kind in ("read scattered", "read runs", "push scattered", "push runs"):
             ratios = [columns[kind][s][0] / columns["ray"][s][0] for s in sizes]
