@@ -17,7 +17,10 @@ class SenderFaults:
     corrupt_piece: int | None = None
     inflate_piece_bytes: int = 0
     source_address_shift: int = 0  # added to the cache address a SOURCE names (a lying peer)
-    corrupt_slot_record: int | None = None  # flip a bit of that read-slot record, after sealing
+    # Flip a bit of that read-slot piece/fence record after sealing (negative: begin record
+    # ``-1 - n``).
+    corrupt_slot_record: int | None = None
+    begin_frames_delay_s: float = 0.0  # hold BEGIN and SOURCE back that long (late frames)
 
 
 @dataclass(frozen=True)

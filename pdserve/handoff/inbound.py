@@ -78,6 +78,7 @@ class InboundTransfer:
     settled: threading.Event = field(default_factory=threading.Event)
     writes_in_flight: int = 0
     source: ReadSource | None = None  # set: the receiver reads the pieces from the sender
+    began_in_slot: bool = False  # its sender's read slot announced it before any frame
     _pieces: dict[int, _Piece] = field(default_factory=dict)
     _announced_bytes: int = 0
     _fence: dict[str, Any] | None = None
@@ -114,7 +115,10 @@ class InboundTransfer:
 
     # ---- header checks (each raises a HandoffError naming what is wrong) ----------------
     def accept_begin(self, session_id: int, body: dict[str, Any]) -> None:
-        if self.state is not InboundState.RESERVED:
+        """A BEGIN frame; for a transfer this session already began in its read slot, the
+        frame must say the same (a contradiction is a protocol error)."""
+        again = self.began_in_slot and session_id == self.session_id
+        if self.state is not InboundState.RESERVED and not again:
             raise HandoffProtocolError(f"transfer {self.transfer_id} already began or ended")
         if body["instance"] != self.instance:
             raise HandoffProtocolError("ticket names another receiver instance (stale ticket)")
@@ -132,16 +136,40 @@ class InboundTransfer:
         if body["num_blocks"] != self.num_blocks:
             raise HandoffProtocolError(
                 f"sender has {body['num_blocks']} blocks, {self.num_blocks} were reserved")
-        self.session_id = session_id
         self.sender_pid = body["pid"]
+        if not again:
+            self.session_id = session_id
+            self.state = InboundState.RECEIVING
+
+    def begin_in_slot(self, session_id: int, source: ReadSource) -> bool:
+        """BEGIN and SOURCE at once, from the sender's read slot (checked by the caller
+        against the reservation). False unless the transfer is still only reserved."""
+        if self.state is not InboundState.RESERVED:
+            return False
+        self.session_id, self.source, self.began_in_slot = session_id, source, True
         self.state = InboundState.RECEIVING
+        return True
 
     def accept_source(self, session_id: int, source: ReadSource) -> None:
-        """The sender offered its cache to read from (same host): before any piece."""
+        """The sender offered its cache to read from (same host): before any piece. (A
+        transfer that began in its slot is checked by `check_slot_source` instead.)"""
         self._check_sender(session_id, "SOURCE")
         if self.source is not None or self._pieces:
             raise HandoffProtocolError("SOURCE after pieces, or twice")
         self.source = source
+
+    def check_slot_source(self, session_id: int, body: dict[str, Any]) -> None:
+        """The SOURCE frame of a transfer that began in its read slot: it must name that
+        slot and the same source blocks."""
+        feed = self.source.slot if self.source is not None else None
+        if session_id != self.session_id or feed is None:
+            raise HandoffProtocolError("SOURCE from a session that did not begin this transfer")
+        if body["slot"] != feed.slot or body["slot_tag"] != feed.tag:
+            raise HandoffProtocolError(
+                f"SOURCE names slot {body['slot']}, the transfer began in slot {feed.slot}")
+        ids = np.frombuffer(body["blocks"], dtype="<u4")
+        if len(ids) != len(self.source.ids) or not np.array_equal(ids, self.source.ids):
+            raise HandoffProtocolError("SOURCE lists other blocks than the slot's begin records")
 
     def accept_piece(self, session_id: int, body: dict[str, Any], read: bool = False,
                      slotted: bool = False) -> PieceSpec:

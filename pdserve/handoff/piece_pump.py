@@ -36,6 +36,8 @@ class PiecePump:
         """Announce and send pieces in order, then the fence. Exits on fence or on error."""
         try:
             await link.ready
+            if self._faults.begin_frames_delay_s:
+                await asyncio.sleep(self._faults.begin_frames_delay_s)
             ticket = transfer.ticket
             link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
                                    "request_id": ticket.request_id,

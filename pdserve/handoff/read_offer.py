@@ -9,6 +9,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pdserve.engine.kv_layout import KVLayout
@@ -19,7 +20,15 @@ from pdserve.handoff.piece_plan import (
     PieceSpec,
     plan_pieces,
 )
-from pdserve.handoff.read_slots import MAX_SLOT_PIECES, REGION_BYTES, SlotLease, SlotTable
+from pdserve.handoff.read_slots import (
+    MAX_SLOT_RECORDS,
+    REGION_BYTES,
+    SlotBegin,
+    SlotLease,
+    SlotTable,
+    fingerprint,
+    num_begin_records,
+)
 from pdserve.handoff.ticket import HandoffTicket
 from pdserve.handoff.ucp_memory import UcpMemoryError
 from pdserve.handoff.wire import MAX_SOURCE_BLOCKS
@@ -66,12 +75,21 @@ class SourceOffer:
         plan = plan_pieces(layout, ticket.num_blocks, SLOT_MIN_PIECE_BYTES,
                            ticket.max_piece_bytes, layers_per_piece)
         slot = None
-        if self.slots is not None and allow_slots and len(plan) <= MAX_SLOT_PIECES:
-            slot = self.slots.lease(ticket.receiver_address, corrupt_record)
+        fits = len(plan) + num_begin_records(ticket.num_blocks) <= MAX_SLOT_RECORDS
+        if self.slots is not None and allow_slots and fits:
+            slot = self.slots.lease(ticket.receiver_address, ticket.transfer_id,
+                                    ticket.num_blocks, corrupt_record)
         if slot is None:  # announced by PIECE frames: fewer, larger pieces
             plan = plan_pieces(layout, ticket.num_blocks, READ_MIN_PIECE_BYTES,
                                ticket.max_piece_bytes, layers_per_piece)
         return plan, slot
+
+    def slot_begin(self, ticket: HandoffTicket, layout: KVLayout,
+                   block_ids: np.ndarray) -> SlotBegin:
+        """The begin records' content: BEGIN and SOURCE for a receiver watching the slots."""
+        return SlotBegin(ticket.transfer_id, ticket.num_blocks, self.cache_blocks,
+                         fingerprint(layout.to_dict()), ticket.receiver_instance,
+                         fingerprint(ticket.request_id), block_ids)
 
     def source_body(self, transfer_id: int, block_ids: torch.Tensor, slot: SlotLease | None,
                     address_shift: int = 0) -> dict[str, object]:

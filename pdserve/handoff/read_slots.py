@@ -3,9 +3,12 @@ fence) through shared memory, instead of a UCX frame per piece through both even
 
 The sender exports one region of ``REGION_BYTES``: ``NUM_BELLS`` bell words (a u32 per 64-byte
 line) then ``NUM_SLOTS`` slots. A read transfer leases a slot; a slot is a header line (u32
-count of published records, then the lease's tag) and ``SLOT_RECORDS`` records of eight
-little-endian u64. The compute thread writes record ``n`` (a piece's bounds and digest, or
-the fence), then sets the count to ``n + 1``, then bumps its receiver's bell and wakes it
+count of published records; u64 words 1 and 2: the lease's tag and the transfer id) and
+``SLOT_RECORDS`` records of eight little-endian u64. The caller of ``start_transfer`` first
+publishes the begin records (`begin_records`: the transfer's identity and its source block
+ids), so a receiver already watching this sender can start reading without waiting for the
+BEGIN and SOURCE frames; then the compute thread writes record ``n`` (a piece's bounds and
+digest, or the fence), sets the count to ``n + 1``, bumps its receiver's bell and wakes it
 (futex). The eighth word of a record is a check, xxh3-64 of the other seven seeded with the
 lease's random tag, so a reader never acts on a record that is torn, stale, from another use
 of the slot, or not yet visible (weakly ordered CPUs); the receiver checks a valid record
@@ -14,6 +17,8 @@ exactly like a PIECE or FENCE frame.
 
 from __future__ import annotations
 
+import json
+import math
 import secrets
 import threading
 from dataclasses import dataclass
@@ -32,8 +37,9 @@ NUM_SLOTS = 64
 SLOT_RECORDS = 255
 SLOT_BYTES = LINE_BYTES * (1 + SLOT_RECORDS)  # 16 KiB
 REGION_BYTES = LINE_BYTES * NUM_BELLS + NUM_SLOTS * SLOT_BYTES
-MAX_SLOT_PIECES = SLOT_RECORDS - 1  # the last record holds the fence
-KIND_PIECE, KIND_FENCE = 1, 2
+MAX_SLOT_RECORDS = SLOT_RECORDS - 1  # begin and piece records; the last holds the fence
+KIND_PIECE, KIND_FENCE, KIND_BEGIN, KIND_IDS = 1, 2, 3, 4
+IDS_PER_RECORD = 12  # u32 source block ids in one KIND_IDS record
 _WORDS = LINE_BYTES // 8  # u64 per record
 _U32_PER_LINE = LINE_BYTES // 4
 
@@ -63,6 +69,65 @@ def fence_record(num_pieces: int, nbytes: int, digest: int, first_token_id: int,
     return _sealed([KIND_FENCE, num_pieces, nbytes, digest, first_token_id, num_tokens, 0], tag)
 
 
+def num_begin_records(num_blocks: int) -> int:
+    """Records a transfer of ``num_blocks`` blocks opens its slot with (its pieces follow)."""
+    return 1 + math.ceil(num_blocks / IDS_PER_RECORD)
+
+
+def fingerprint(value: str | dict[str, Any]) -> int:
+    """xxh3-64 of a request id or a layout's fields, as the begin record carries them."""
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return xxhash.xxh3_64_intdigest(text.encode())
+
+
+@dataclass(frozen=True)
+class SlotBegin:
+    """What a slot's begin records say: the BEGIN and SOURCE of a read transfer."""
+
+    transfer_id: int
+    num_blocks: int
+    cache_blocks: int
+    layout_fingerprint: int
+    instance: int
+    request_fingerprint: int
+    block_ids: np.ndarray  # the sender's source block ids (int64)
+
+
+def begin_records(begin: SlotBegin, tag: int) -> np.ndarray:
+    """``[num_begin_records(num_blocks), 8]`` sealed records announcing ``begin``."""
+    head = [KIND_BEGIN, begin.transfer_id, begin.num_blocks, begin.cache_blocks,
+            begin.layout_fingerprint, begin.instance, begin.request_fingerprint]
+    ids = np.zeros(IDS_PER_RECORD * (num_begin_records(begin.num_blocks) - 1), dtype="<u4")
+    ids[:begin.num_blocks] = begin.block_ids
+    rows = ids.view("<u8").reshape(-1, _WORDS - 2)
+    records = [_sealed(head, tag)]
+    records += [_sealed([KIND_IDS, *row.tolist()], tag) for row in rows]
+    return np.stack(records)
+
+
+def decode_begin_head(record: np.ndarray, tag: int) -> SlotBegin | None:
+    """The begin record's fields (ids still empty), or None if it is not one or fails its check."""
+    words = [int(w) for w in record]
+    if xxhash.xxh3_64_intdigest(record[:7].tobytes(), seed=tag) != words[7]:
+        return None
+    if words[0] != KIND_BEGIN:
+        return None
+    return SlotBegin(*words[1:7], np.empty(0, dtype=np.int64))
+
+
+def decode_begin_ids(head: SlotBegin, records: np.ndarray, tag: int) -> SlotBegin | None:
+    """``head`` with its block ids from the KIND_IDS ``records`` (a private copy), or None if
+    any fails its check."""
+    for record in records:
+        if (int(record[0]) != KIND_IDS or xxhash.xxh3_64_intdigest(
+                record[:7].tobytes(), seed=tag) != int(record[7])):
+            return None
+    ids = np.ascontiguousarray(records[:, 1:7]).view("<u4").reshape(-1)[:head.num_blocks]
+    return SlotBegin(head.transfer_id, head.num_blocks, head.cache_blocks,
+                     head.layout_fingerprint, head.instance, head.request_fingerprint,
+                     ids.astype(np.int64))
+
+
 def decode_record(record: np.ndarray, tag: int) -> tuple[int, dict[str, Any]] | None:
     """(kind, the PIECE entry or FENCE body it stands for), or None if its check fails.
     ``record`` must be a private copy (the sender may rewrite the slot meanwhile)."""
@@ -87,6 +152,7 @@ class SlotRegion:
         self._bells = array[:LINE_BYTES * NUM_BELLS].view("<u4")
         slots = array[LINE_BYTES * NUM_BELLS:].reshape(NUM_SLOTS, SLOT_BYTES)
         self._counts = slots[:, :4].view("<u4")  # [NUM_SLOTS, 1]
+        self._headers = slots[:, :LINE_BYTES].view("<u8")  # [NUM_SLOTS, 8]: 1 tag, 2 tid
         self._records = slots[:, LINE_BYTES:].view("<u8").reshape(NUM_SLOTS, SLOT_RECORDS,
                                                                   _WORDS)
 
@@ -96,12 +162,30 @@ class SlotRegion:
     def record(self, slot: int, position: int) -> np.ndarray:
         return self._records[slot, position].copy()
 
+    def records(self, slot: int, start: int, stop: int) -> np.ndarray:
+        return self._records[slot, start:stop].copy()
+
+    def header(self, slot: int) -> tuple[int, int]:
+        """(tag, transfer id) of the slot's current lease (as written: check records with it)."""
+        return int(self._headers[slot, 1]), int(self._headers[slot, 2])
+
+    def announced(self) -> np.ndarray:
+        """Slots that hold published records."""
+        return np.flatnonzero(self._counts[:, 0])
+
+    def open(self, slot: int, tag: int, transfer_id: int) -> None:
+        self._counts[slot, 0] = 0
+        self._headers[slot, 1] = tag
+        self._headers[slot, 2] = transfer_id
+
+    def publish_many(self, slot: int, records: np.ndarray) -> None:
+        """Records ``0 .. len - 1`` at once (a fresh lease's begin records)."""
+        self._records[slot, :len(records)] = records
+        self._counts[slot, 0] = len(records)
+
     def publish(self, slot: int, position: int, record: np.ndarray) -> None:
         self._records[slot, position] = record
         self._counts[slot, 0] = position + 1  # after the record: x86 keeps stores in order
-
-    def reset(self, slot: int) -> None:
-        self._counts[slot, 0] = 0
 
     def bell(self, bell: int) -> int:
         return int(self._bells[bell * _U32_PER_LINE])
@@ -125,13 +209,25 @@ class SlotLease:
     slot: int
     tag: int
     bell: int
-    corrupt_record: int | None = None  # tests: a bit flipped after sealing (a torn write)
+    first: int  # records before the first piece: the begin records
+    # Tests: a bit flipped after sealing (a torn write) in piece/fence record ``n``, or in
+    # begin record ``-1 - n`` when negative.
+    corrupt_record: int | None = None
+
+    def publish_begin(self, begin: SlotBegin) -> None:
+        """Open the slot with ``begin``'s records and ring: a watching receiver starts now."""
+        records = begin_records(begin, self.tag)
+        if self.corrupt_record is not None and self.corrupt_record < 0:
+            records[-1 - self.corrupt_record, 6] ^= np.uint64(1)  # tests: -1 = the begin record
+        self.region.publish_many(self.slot, records)
+        self.region.ring(self.bell)
 
     def publish(self, position: int, record: np.ndarray) -> None:
+        """Piece or fence record ``position`` (counted after the begin records)."""
         if position == self.corrupt_record:
             record = record.copy()
             record[6] ^= np.uint64(1)
-        self.region.publish(self.slot, position, record)
+        self.region.publish(self.slot, self.first + position, record)
         self.region.ring(self.bell)
 
 
@@ -149,7 +245,7 @@ class SlotTable:
     def address(self) -> int:
         return self.region.address
 
-    def lease(self, receiver_address: bytes,
+    def lease(self, receiver_address: bytes, transfer_id: int, num_blocks: int,
               corrupt_record: int | None = None) -> SlotLease | None:
         """A free slot (None when all are leased: the transfer announces through frames).
         Receivers get a bell by address hash: a shared bell only costs spurious wake-ups."""
@@ -157,9 +253,11 @@ class SlotTable:
             if not self._free:
                 return None
             slot = self._free.pop()
-        self.region.reset(slot)
+        tag = secrets.randbits(64)
+        self.region.open(slot, tag, transfer_id)
         bell = xxhash.xxh3_64_intdigest(receiver_address) % NUM_BELLS
-        return SlotLease(self.region, slot, secrets.randbits(64), bell, corrupt_record)
+        return SlotLease(self.region, slot, tag, bell, num_begin_records(num_blocks),
+                         corrupt_record)
 
     def release(self, lease: SlotLease) -> None:
         """After the transfer was released: its receiver reads the slot no more (and any

@@ -53,6 +53,7 @@ class ReceiverStats:
     num_staged_pieces: int  # received into staging, then scattered
     num_read_pieces: int  # read from a same-host sender's cache
     num_slotted_transfers: int  # whose read pieces were announced in a shared read slot
+    num_slot_begun: int  # of those, begun from the slot before their BEGIN frame arrived
     num_pending_reads: int  # read pieces queued or being copied
     num_refused_peers: int
     num_rejected_frames: int
@@ -86,7 +87,7 @@ class HandoffReceiver:
         self._copier = ReadCopier(cache, self._config.read_threads, self._faults,
                                   self._end_from_thread, self._settle)
         self._sources = SourceMaps(transport, self._copier.on_slot_record,
-                                   self._end_from_thread)
+                                   self._end_from_thread, self._lookup)
         self._lock = threading.Lock()  # guards the three registries below
         self._by_request: dict[str, InboundTransfer] = {}
         self._by_tid: dict[int, InboundTransfer] = {}
@@ -94,7 +95,7 @@ class HandoffReceiver:
         self._counts = {"ready": 0, "failed": 0, "rejected": 0, "slotted": 0}
         self._sweeper: asyncio.Task[None] | None = None
         self._frames = ReceiverFrames(self._sessions, self._sources, self._landing,
-                                      self._copier, transport.host, self._by_tid.get,
+                                      self._copier, transport.host, self._lookup,
                                       (self._fail, self._finish, self._maybe_ready),
                                       self._counts)
         transport.register(RECEIVER_KINDS, self._frames.on_frame)
@@ -210,7 +211,9 @@ class HandoffReceiver:
         return ReceiverStats(active, receiving, self._counts["ready"], self._counts["failed"],
                              self._landing.num_drained + self._copier.num_dropped,
                              self._landing.num_direct, self._landing.num_staged,
-                             self._copier.num_read, self._counts["slotted"],
+                             self._copier.num_read,
+                             self._counts["slotted"] + self._sources.num_slot_begun,
+                             self._sources.num_slot_begun,
                              self._copier.num_pending,
                              self._sessions.num_refused,
                              self._counts["rejected"], self._pool.stats())
@@ -347,6 +350,10 @@ class HandoffReceiver:
             self._finish(record, HandoffCancelledError("decode handoff receiver shutting down"))
         self._sources.forget_all()
         self._copier.close()
+
+    def _lookup(self, transfer_id: int) -> InboundTransfer | None:
+        with self._lock:
+            return self._by_tid.get(transfer_id)
 
     def _new_transfer_id(self) -> int:
         while True:

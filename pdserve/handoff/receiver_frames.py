@@ -91,6 +91,9 @@ class ReceiverFrames:
     def _on_begin(self, record: InboundTransfer | None, frame: Frame,
                   session: SenderSession) -> None:
         tid = frame.body["tid"]
+        if (record is not None and record.terminal and record.began_in_slot
+                and record.session_id == session.session_id):
+            return  # it began and ended through its slot before this frame arrived
         if record is None or record.terminal:
             reason = (record.error if record is not None and record.error is not None
                       else HandoffUnknownTransferError(f"no live reservation for transfer {tid}"))
@@ -98,7 +101,8 @@ class ReceiverFrames:
                                 {"tid": tid, "code": reason.code, "message": str(reason)})
             return
         try:
-            record.accept_begin(session.session_id, frame.body)
+            with record.write_lock:  # its slot watcher may be starting it meanwhile
+                record.accept_begin(session.session_id, frame.body)
         except HandoffError as exc:
             self._fail(record, exc, session)
             return
@@ -106,6 +110,13 @@ class ReceiverFrames:
             record.sender_pid = None  # another host's pid says nothing here
 
     def _on_source(self, record: InboundTransfer, frame: Frame, session: SenderSession) -> None:
+        if record.began_in_slot:
+            try:
+                with record.write_lock:
+                    record.check_slot_source(session.session_id, frame.body)
+            except HandoffError as exc:
+                self._fail(record, exc, session)
+            return
         try:
             source = self._sources.source_for(session, record, frame.body)
             with record.write_lock:

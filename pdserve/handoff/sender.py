@@ -21,7 +21,7 @@ from pdserve.handoff.errors import (
     error_from_code,
 )
 from pdserve.handoff.faults import SenderFaults
-from pdserve.handoff.kvcopy import cache_rows
+from pdserve.handoff.kvcopy import cache_rows, checked_ids
 from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
 from pdserve.handoff.peers import PeerLink
 from pdserve.handoff.piece_plan import (
@@ -113,6 +113,7 @@ class HandoffSender:
             source = None
         slot = None
         if source is not None:
+            checked = checked_ids(np.asarray(id_list), source.cache_blocks)  # before leasing
             plan, slot = source.plan(ticket, layout, layers_per_piece, allow_slots,
                                      self._faults.corrupt_slot_record)
         else:
@@ -127,6 +128,8 @@ class HandoffSender:
         transfer = OutboundTransfer(ticket, layout, ids, plan, self._pool,
                                     time.monotonic() + (ticket.deadline - time.time()), source,
                                     slot)
+        if source is not None and slot is not None:  # a watching receiver can start now
+            slot.publish_begin(source.slot_begin(ticket, layout, checked))
         transfer.queue = asyncio.Queue()  # binds to the handoff loop on first use
         self._transport.call_soon(self._begin, transfer)  # runs before any later call_soon
         return transfer

@@ -14,7 +14,15 @@ from typing import Any
 
 from pdserve.handoff.errors import HandoffError, HandoffProtocolError
 from pdserve.handoff.inbound import InboundTransfer
-from pdserve.handoff.read_slots import SlotRegion, decode_record
+from pdserve.handoff.read_slots import (
+    NUM_SLOTS,
+    SlotBegin,
+    SlotRegion,
+    decode_begin_head,
+    decode_begin_ids,
+    decode_record,
+    num_begin_records,
+)
 from pdserve.handoff.ucp_memory import PeerMemory
 
 log = logging.getLogger(__name__)
@@ -27,6 +35,8 @@ IDLE_WAIT_S = 0.5
 
 RecordHandler = Callable[[InboundTransfer, int, dict[str, Any]], bool]
 ErrorHandler = Callable[[InboundTransfer, HandoffError], None]
+# (slot, tag, its begin records) -> the transfer to follow in it, or None: not one of ours.
+ClaimHandler = Callable[[int, int, SlotBegin], "InboundTransfer | None"]
 
 
 @dataclass(eq=False)
@@ -43,17 +53,21 @@ class SlotWatcher:
 
     ``on_record(record, kind, body)`` runs on the watcher thread for each valid record and
     returns whether to keep following that transfer; ``on_error`` reports a slot that broke
-    the protocol. Holds a pin on the slots region until the thread exits (after `stop`).
+    the protocol; ``claim`` is offered every slot whose begin records are complete and valid
+    but that nobody follows yet (a transfer the sender began after this watcher started: it
+    can start before its BEGIN and SOURCE frames arrive). Holds a pin on the slots region
+    until the thread exits (after `stop`).
     """
 
     def __init__(self, name: str, memory: PeerMemory, bell: int, on_record: RecordHandler,
-                 on_error: ErrorHandler) -> None:
+                 on_error: ErrorHandler, claim: ClaimHandler | None = None) -> None:
         if not memory.pin():
             raise HandoffProtocolError("the sender's slots region is already unmapped")
         self.memory, self.bell = memory, bell
         self._region = SlotRegion(memory.array)
-        self._on_record, self._on_error = on_record, on_error
+        self._on_record, self._on_error, self._claim = on_record, on_error, claim
         self._follows: list[_Follow] = []
+        self._offered: set[tuple[int, int]] = set()  # (slot, tag) claimed or refused: done
         self._lock = threading.Lock()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -65,8 +79,9 @@ class SlotWatcher:
         return not self._stopped and self._thread.is_alive()
 
     def follow(self, record: InboundTransfer, slot: int, tag: int) -> None:
+        """Follow ``record``'s pieces and fence in ``slot`` (after its begin records)."""
         with self._lock:
-            self._follows.append(_Follow(record, slot, tag))
+            self._follows.append(_Follow(record, slot, tag, num_begin_records(record.num_blocks)))
         self._region.ring(self.bell)  # records published before this call were rung unseen
 
     def stop(self) -> None:
@@ -89,6 +104,11 @@ class SlotWatcher:
         """Hand on every new record; True if some transfer waits on a record to turn valid."""
         with self._lock:
             follows = list(self._follows)
+        claimed = self._claim_new(follows)
+        if claimed:
+            with self._lock:
+                self._follows.extend(claimed)
+            follows += claimed
         ended, retry = [], False
         for follow in follows:
             try:
@@ -104,6 +124,34 @@ class SlotWatcher:
             with self._lock:
                 self._follows = [f for f in self._follows if f not in ended]
         return retry
+
+    def _claim_new(self, follows: list[_Follow]) -> list[_Follow]:
+        """Slots begun since the last look that nobody follows, offered to ``claim`` once
+        their begin records are all published and valid (else looked at again next ring)."""
+        if self._claim is None:
+            return []
+        followed = {follow.slot for follow in follows}
+        claimed = []
+        for slot in self._region.announced().tolist():
+            tag, _ = self._region.header(slot)
+            if slot in followed or (slot, tag) in self._offered:
+                continue
+            head = decode_begin_head(self._region.record(slot, 0), tag)
+            if head is None:
+                continue  # torn, being leased anew, or not yet visible
+            first = num_begin_records(head.num_blocks)
+            if first > self._region.published(slot):
+                continue
+            begin = decode_begin_ids(head, self._region.records(slot, 1, first), tag)
+            if begin is None:
+                continue
+            if len(self._offered) >= 4 * NUM_SLOTS:  # old leases' entries: forget them all
+                self._offered.clear()
+            self._offered.add((slot, tag))
+            record = self._claim(slot, tag, begin)
+            if record is not None:
+                claimed.append(_Follow(record, slot, tag, first))
+        return claimed
 
     def _advance(self, follow: _Follow) -> bool:
         published = self._region.published(follow.slot)

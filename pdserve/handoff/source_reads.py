@@ -4,7 +4,10 @@ unmap once no copy can read them any more. Loop only."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +18,13 @@ from pdserve.handoff.futex import FUTEX_AVAILABLE
 from pdserve.handoff.inbound import InboundTransfer
 from pdserve.handoff.kvcopy import joint_runs
 from pdserve.handoff.piece_plan import row_nbytes
-from pdserve.handoff.read_slots import NUM_BELLS, NUM_SLOTS, REGION_BYTES
+from pdserve.handoff.read_slots import (
+    NUM_BELLS,
+    NUM_SLOTS,
+    REGION_BYTES,
+    SlotBegin,
+    fingerprint,
+)
 from pdserve.handoff.sessions import SenderSession
 from pdserve.handoff.slot_watch import ErrorHandler, RecordHandler, SlotWatcher
 from pdserve.handoff.transport import HandoffTransport
@@ -53,14 +62,19 @@ class ReadSource:
 
 
 class SourceMaps:
-    """Mappings of senders' exported caches and slots regions, and slot watchers, by session."""
+    """Mappings of senders' exported caches and slots regions, and slot watchers, by session.
+    ``lookup(transfer_id)``: the receiver's reservation with that id, for transfers a sender
+    begins in a slot (`_claim`)."""
 
     def __init__(self, transport: HandoffTransport, on_record: RecordHandler,
-                 on_error: ErrorHandler) -> None:
+                 on_error: ErrorHandler,
+                 lookup: Callable[[int], InboundTransfer | None]) -> None:
         self._transport = transport
-        self._on_record, self._on_error = on_record, on_error
+        self._on_record, self._on_error, self._lookup = on_record, on_error, lookup
         self._maps: dict[int, dict[tuple[bytes, int, int], PeerMemory]] = {}
         self._watchers: dict[int, SlotWatcher] = {}
+        self._count_lock = threading.Lock()
+        self.num_slot_begun = 0  # transfers that began from their slot, before any frame
 
     def source_for(self, session: SenderSession, record: InboundTransfer,
                    body: dict[str, Any]) -> ReadSource:
@@ -101,11 +115,42 @@ class SourceMaps:
         watcher = self._watchers.get(session.session_id)
         if watcher is None or not watcher.alive:  # a dead one's transfers end at their deadline
             watcher = SlotWatcher(f"pdserve-handoff-slots-{session.session_id:x}", feed.memory,
-                                  feed.bell, self._on_record, self._on_error)
+                                  feed.bell, self._on_record, self._on_error,
+                                  functools.partial(self._claim, session, feed))
             self._watchers[session.session_id] = watcher
         elif watcher.memory is not feed.memory or watcher.bell != feed.bell:
             raise HandoffProtocolError("a sender session's slots must share one region and bell")
         watcher.follow(record, feed.slot, feed.tag)
+
+    def _claim(self, session: SenderSession, feed: SlotFeed, slot: int, tag: int,
+               begin: SlotBegin) -> InboundTransfer | None:
+        """Watcher thread: start a transfer that ``session``'s sender began in ``slot`` if it
+        is a live reservation of ours, still waiting for its BEGIN, and the begin records
+        match it exactly (same checks as BEGIN and SOURCE; the frames still come and must
+        agree). Anything else returns None: the frames then decide, with their errors."""
+        record = self._lookup(begin.transfer_id)
+        if record is None or begin.instance != self._transport.instance_id:
+            return None
+        layout = record.layout
+        shape = (layout.num_local_layers, 2, begin.cache_blocks, row_nbytes(layout))
+        nbytes = int(np.prod(shape))
+        regions = list(self._maps.get(session.session_id, {}).items())  # loop adds; a copy
+        cache = next((peer for (_, _, size), peer in regions if size == nbytes), None)
+        ids = begin.block_ids
+        if (cache is None or begin.num_blocks != record.num_blocks or not len(ids)
+                or int(ids.max()) >= begin.cache_blocks
+                or begin.request_fingerprint != fingerprint(record.request_id)
+                or begin.layout_fingerprint != fingerprint(layout.to_dict())):
+            return None
+        dst_ids = record.block_ids.numpy()
+        source = ReadSource(cache.array.reshape(shape), ids, dst_ids, joint_runs(ids, dst_ids),
+                            cache, SlotFeed(feed.memory, slot, tag, feed.bell))
+        with record.write_lock:
+            if not record.begin_in_slot(session.session_id, source):
+                return None
+        with self._count_lock:
+            self.num_slot_begun += 1
+        return record
 
     def _map(self, session: SenderSession, rkey: bytes, address: int,
              nbytes: int) -> PeerMemory:

@@ -79,13 +79,15 @@ class Roles:
 
     def make_sender(self, corrupt_piece: int | None = None, inflate_piece_bytes: int = 0,
                     source_address_shift: int = 0,
-                    corrupt_slot_record: int | None = None) -> bool:
+                    corrupt_slot_record: int | None = None,
+                    begin_frames_delay_s: float = 0.0) -> bool:
         if self.sender is not None:
             self.sender.close()
         device = self.cache.device if self.cache is not None else "cpu"
         self.sender = HandoffSender(self.transport, device=device, faults=SenderFaults(
             corrupt_piece=corrupt_piece, inflate_piece_bytes=inflate_piece_bytes,
-            source_address_shift=source_address_shift, corrupt_slot_record=corrupt_slot_record))
+            source_address_shift=source_address_shift, corrupt_slot_record=corrupt_slot_record,
+            begin_frames_delay_s=begin_frames_delay_s))
         # A cache in shared memory is exported: same-host receivers read it themselves.
         return self.cache is not None and self.sender.export_cache(self.cache)
 

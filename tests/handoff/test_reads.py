@@ -105,6 +105,52 @@ def test_reads_announced_by_slot_or_by_frames_land_the_same(pair, slots: bool) -
     wait_slots_returned(sender)
 
 
+def test_a_watching_receiver_starts_from_the_slot_before_the_frames_arrive(pair) -> None:
+    """Once a receiver follows a sender's slots, the sender's next transfer begins in its
+    slot: the receiver reads and is ready before the (here 3 s late) BEGIN and SOURCE frames
+    arrive, and those frames, agreeing, change nothing (the sender's result is ok)."""
+    receiver, sender = pair
+    rng = random.Random("reads-slot-begin")
+    layout = random_layout(rng, "float16", num_layers=4)
+    assert setup_roles(receiver, sender, layout, seed=23, shared=True,
+                       sender_faults={"begin_frames_delay_s": 3.0})
+    begun = receiver.call("receiver_stats")["num_slot_begun"]
+    for attempt in ("cold", "warm"):
+        dst, src = pick_blocks(rng, 6), pick_blocks(rng, 6)
+        pushed_at = sender.call("now")
+        ready, sent = hand_off(receiver, sender, f"slot-begin-{attempt}", dst, src, layout,
+                               layers_per_piece=1)
+        assert ready["ok"] and sent["ok"], (attempt, ready, sent)
+        assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+        stats = receiver.call("receiver_stats")
+        if attempt == "cold":  # no watcher yet: it had to wait for the frames
+            assert ready["ended_at"] - pushed_at >= 3.0
+            assert stats["num_slot_begun"] == begun
+        else:
+            assert ready["ended_at"] - pushed_at < 3.0
+            assert stats["num_slot_begun"] == begun + 1
+    assert stats["num_failed"] == 0 and stats["writable_block_ids"] == []
+    wait_slots_returned(sender)
+
+
+def test_a_torn_begin_record_leaves_the_transfer_to_its_frames(pair) -> None:
+    receiver, sender = pair
+    rng = random.Random("reads-torn-begin")
+    layout = random_layout(rng, "bfloat16", num_layers=3)
+    assert setup_roles(receiver, sender, layout, seed=29, shared=True,
+                       sender_faults={"corrupt_slot_record": -1})
+    begun = receiver.call("receiver_stats")["num_slot_begun"]
+    for attempt in range(2):  # the second one finds the watcher running
+        dst, src = pick_blocks(rng, 5), pick_blocks(rng, 5)
+        ready, sent = hand_off(receiver, sender, f"torn-begin-{attempt}", dst, src, layout,
+                               layers_per_piece=1)
+        assert ready["ok"] and sent["ok"], (ready, sent)
+        assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+    stats = receiver.call("receiver_stats")
+    assert stats["num_slot_begun"] == begun and stats["writable_block_ids"] == []
+    wait_slots_returned(sender)
+
+
 def faulty_read(pair, name: str, dtype: str, num_layers: int, num_blocks: int, seed: int,
                 **faults: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, bytes]]:
     """One read transfer between fresh roles with ``faults`` (``sender_faults=`` /

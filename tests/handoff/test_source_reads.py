@@ -118,7 +118,7 @@ def no_slots(*_: object) -> None:
 
 
 def source_maps() -> SourceMaps:
-    return SourceMaps(_NoMapping(), no_slots, no_slots)  # type: ignore[arg-type]
+    return SourceMaps(_NoMapping(), no_slots, no_slots, no_slots)  # type: ignore[arg-type]
 
 
 def begun_record(ids: tuple[int, ...] = (10, 11, 12, 13)) -> InboundTransfer:
@@ -166,7 +166,7 @@ def test_a_source_without_an_endpoint_back_is_refused() -> None:
 def test_a_source_naming_an_impossible_slot_is_refused(slots: dict, reason: str) -> None:
     """Checked before the region is mapped: nothing past the slots a region holds is read."""
     body = source_body(slots_rkey=b"s", slots_address=8192, **slots)
-    maps = SourceMaps(_Mapping(), no_slots, no_slots)  # type: ignore[arg-type]
+    maps = SourceMaps(_Mapping(), no_slots, no_slots, no_slots)  # type: ignore[arg-type]
     with pytest.raises(HandoffProtocolError, match=reason):
         maps.source_for(endpoint_session(), begun_record(), body)
 
