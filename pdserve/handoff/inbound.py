@@ -77,6 +77,7 @@ class InboundTransfer:
     result: concurrent.futures.Future[FenceInfo] = field(default_factory=concurrent.futures.Future)
     settled: threading.Event = field(default_factory=threading.Event)
     writes_in_flight: int = 0
+    reads_offered: bool = False  # its ticket let a same-host sender offer its cache to read
     source: ReadSource | None = None  # set: the receiver reads the pieces from the sender
     began_in_slot: bool = False  # its sender's read slot announced it before any frame
     _pieces: dict[int, _Piece] = field(default_factory=dict)
@@ -144,7 +145,7 @@ class InboundTransfer:
     def begin_in_slot(self, session_id: int, source: ReadSource) -> bool:
         """BEGIN and SOURCE at once, from the sender's read slot (checked by the caller
         against the reservation). False unless the transfer is still only reserved."""
-        if self.state is not InboundState.RESERVED:
+        if self.state is not InboundState.RESERVED or not self.reads_offered:
             return False
         self.session_id, self.source, self.began_in_slot = session_id, source, True
         self.state = InboundState.RECEIVING

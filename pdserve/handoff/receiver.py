@@ -133,7 +133,8 @@ class HandoffReceiver:
             record = InboundTransfer(
                 request_id, self._new_transfer_id(), layout,
                 torch.tensor(ids, dtype=torch.int64, device=self._cache.device), ids, num_tokens,
-                time.monotonic() + (deadline - now), max_piece, self._transport.instance_id)
+                time.monotonic() + (deadline - now), max_piece, self._transport.instance_id,
+                reads_offered=reads)
             ticket = HandoffTicket(
                 request_id, record.transfer_id, self._transport.address,
                 self._transport.instance_id, self._transport.host, len(ids), num_tokens,

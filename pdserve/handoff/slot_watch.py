@@ -148,7 +148,11 @@ class SlotWatcher:
             if len(self._offered) >= 4 * NUM_SLOTS:  # old leases' entries: forget them all
                 self._offered.clear()
             self._offered.add((slot, tag))
-            record = self._claim(slot, tag, begin)
+            try:
+                record = self._claim(slot, tag, begin)
+            except Exception:  # a bug: the frames still start this transfer; keep watching
+                log.exception("claiming read slot %d failed", slot)
+                continue
             if record is not None:
                 claimed.append(_Follow(record, slot, tag, first))
         return claimed

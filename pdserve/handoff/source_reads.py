@@ -81,6 +81,8 @@ class SourceMaps:
         """Validate a SOURCE frame (HandoffProtocolError naming what is wrong) and map the
         region it names; reads then stay inside that region whatever the pieces claim."""
         layout, num_blocks = record.layout, record.num_blocks
+        if not record.reads_offered:  # before anything is mapped (its cache may be on CUDA)
+            raise HandoffProtocolError("SOURCE for a transfer whose ticket offered no reads")
         cache_blocks, raw_ids = body["cache_blocks"], body["blocks"]
         if not 0 < cache_blocks < 1 << 32:
             raise HandoffProtocolError(f"SOURCE names a cache of {cache_blocks} blocks")
@@ -129,8 +131,9 @@ class SourceMaps:
         match it exactly (same checks as BEGIN and SOURCE; the frames still come and must
         agree). Anything else returns None: the frames then decide, with their errors."""
         record = self._lookup(begin.transfer_id)
-        if record is None or begin.instance != self._transport.instance_id:
-            return None
+        if (record is None or not record.reads_offered
+                or begin.instance != self._transport.instance_id):
+            return None  # (reads are offered for host caches only)
         layout = record.layout
         shape = (layout.num_local_layers, 2, begin.cache_blocks, row_nbytes(layout))
         nbytes = int(np.prod(shape))

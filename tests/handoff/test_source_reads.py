@@ -121,9 +121,11 @@ def source_maps() -> SourceMaps:
     return SourceMaps(_NoMapping(), no_slots, no_slots, no_slots)  # type: ignore[arg-type]
 
 
-def begun_record(ids: tuple[int, ...] = (10, 11, 12, 13)) -> InboundTransfer:
+def begun_record(ids: tuple[int, ...] = (10, 11, 12, 13),
+                 reads_offered: bool = True) -> InboundTransfer:
     record = InboundTransfer("req", 77, LAYOUT, torch.tensor(ids), ids, 15,
-                             time.monotonic() + 10, 1 << 20, instance=5)
+                             time.monotonic() + 10, 1 << 20, instance=5,
+                             reads_offered=reads_offered)
     record.accept_begin(9, {"tid": 77, "instance": 5, "request_id": "req",
                             "layout": LAYOUT.to_dict(), "num_blocks": len(ids), "pid": 1})
     return record
@@ -152,6 +154,12 @@ def source_body(**slots: object) -> dict[str, object]:
     return {"tid": 1, "rkey": b"k", "address": 4096, "cache_blocks": CACHE_BLOCKS,
             "blocks": np.arange(4, dtype="<u4").tobytes(), "slots_rkey": b"", "slots_address": 0,
             "slot": 0, "slot_tag": 0, "bell": 0, **slots}
+
+
+def test_a_source_for_a_ticket_that_offered_no_reads_is_refused_before_mapping() -> None:
+    """A CUDA cache or ``same_host_reads`` off: the ticket said no, whatever the sender says."""
+    with pytest.raises(HandoffProtocolError, match="offered no reads"):
+        source_maps().source_for(session(), begun_record(reads_offered=False), source_body())
 
 
 def test_a_source_without_an_endpoint_back_is_refused() -> None:
