@@ -1,18 +1,19 @@
 """Read slots: how a same-host sender announces the pieces a receiver reads itself (and the
 fence) through shared memory, instead of a UCX frame per piece through both event loops.
 
-The sender exports one region of ``REGION_BYTES``: ``NUM_BELLS`` bell words (a u32 per 64-byte
-line) then ``NUM_SLOTS`` slots. A read transfer leases a slot; a slot is a header line (u32
-count of published records; u64 words 1 and 2: the lease's tag and the transfer id) and
-``SLOT_RECORDS`` records of eight little-endian u64. The caller of ``start_transfer`` first
-publishes the begin records (`begin_records`: the transfer's identity and its source block
-ids), so a receiver already watching this sender can start reading without waiting for the
-BEGIN and SOURCE frames; then the compute thread writes record ``n`` (a piece's bounds and
-digest, or the fence), sets the count to ``n + 1``, bumps its receiver's bell and wakes it
-(futex). The eighth word of a record is a check, xxh3-64 of the other seven seeded with the
-lease's random tag, so a reader never acts on a record that is torn, stale, from another use
-of the slot, or not yet visible (weakly ordered CPUs); the receiver checks a valid record
-exactly like a PIECE or FENCE frame.
+The sender exports one region of ``REGION_BYTES``: ``NUM_BELLS`` bells (64-byte lines: a u32
+futex word, then a u32 count of slots opened for that bell's receivers) then ``NUM_SLOTS``
+slots. A read transfer leases a slot; a slot is a header line (u32 count of published
+records; u64 words 1 and 2: the lease's tag and the transfer id) and ``SLOT_RECORDS``
+records of eight little-endian u64. The caller of ``start_transfer`` first publishes the
+begin records (`begin_records`: the transfer's identity and its source block ids), so a
+receiver already watching this sender can start reading without waiting for the BEGIN and
+SOURCE frames; then the compute thread writes record ``n`` (a piece's bounds and digest, or
+the fence), sets the count to ``n + 1``, bumps its receiver's bell and wakes it (futex). The
+eighth word of a record is a check, xxh3-64 of the other seven seeded with the lease's random
+tag, so a reader never acts on a record that is torn, stale, from another use of the slot,
+or not yet visible (weakly ordered CPUs); the receiver checks a valid record exactly like a
+PIECE or FENCE frame.
 """
 
 from __future__ import annotations
@@ -190,6 +191,14 @@ class SlotRegion:
     def bell(self, bell: int) -> int:
         return int(self._bells[bell * _U32_PER_LINE])
 
+    def begins(self, bell: int) -> int:
+        """How many slots were opened with begin records for this bell's receivers (the
+        second word of its line): a watcher looks for new ones only when it moved."""
+        return int(self._bells[bell * _U32_PER_LINE + 1])
+
+    def count_begin(self, bell: int) -> None:
+        self._bells[bell * _U32_PER_LINE + 1] += np.uint32(1)
+
     def ring(self, bell: int) -> None:
         """Change the bell word and wake whoever sleeps on it (a lost increment between two
         writers still changes it, which is all a sleeper checks)."""
@@ -220,6 +229,7 @@ class SlotLease:
         if self.corrupt_record is not None and self.corrupt_record < 0:
             records[-1 - self.corrupt_record, 6] ^= np.uint64(1)  # tests: -1 = the begin record
         self.region.publish_many(self.slot, records)
+        self.region.count_begin(self.bell)
         self.region.ring(self.bell)
 
     def publish(self, position: int, record: np.ndarray) -> None:

@@ -68,6 +68,8 @@ class SlotWatcher:
         self._on_record, self._on_error, self._claim = on_record, on_error, claim
         self._follows: list[_Follow] = []
         self._offered: set[tuple[int, int]] = set()  # (slot, tag) claimed or refused: done
+        self._begins_seen = -1  # the bell's count of opened slots at the last look
+        self._recheck_until = 0.0  # some begin records were not all valid yet: look again
         self._lock = threading.Lock()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -126,24 +128,24 @@ class SlotWatcher:
         return retry
 
     def _claim_new(self, follows: list[_Follow]) -> list[_Follow]:
-        """Slots begun since the last look that nobody follows, offered to ``claim`` once
-        their begin records are all published and valid (else looked at again next ring)."""
-        if self._claim is None:
+        """Slots opened since the last look (the bell's count of opened slots moved) that
+        nobody follows, each offered to ``claim`` once its begin records are all published
+        and valid. Slots whose records are not valid yet are looked at again on every ring
+        for up to `BAD_RECORD_S` (weak ordering), then only when the count moves again."""
+        begins = self._region.begins(self.bell)
+        now = time.monotonic()
+        if self._claim is None or (begins == self._begins_seen and now > self._recheck_until):
             return []
+        self._begins_seen = begins
         followed = {follow.slot for follow in follows}
-        claimed = []
+        claimed, pending = [], False
         for slot in self._region.announced().tolist():
             tag, _ = self._region.header(slot)
             if slot in followed or (slot, tag) in self._offered:
                 continue
-            head = decode_begin_head(self._region.record(slot, 0), tag)
-            if head is None:
-                continue  # torn, being leased anew, or not yet visible
-            first = num_begin_records(head.num_blocks)
-            if first > self._region.published(slot):
-                continue
-            begin = decode_begin_ids(head, self._region.records(slot, 1, first), tag)
+            begin = self._begin_in(slot, tag)
             if begin is None:
+                pending = True
                 continue
             if len(self._offered) >= 4 * NUM_SLOTS:  # old leases' entries: forget them all
                 self._offered.clear()
@@ -154,8 +156,22 @@ class SlotWatcher:
                 log.exception("claiming read slot %d failed", slot)
                 continue
             if record is not None:
-                claimed.append(_Follow(record, slot, tag, first))
+                claimed.append(_Follow(record, slot, tag, num_begin_records(begin.num_blocks)))
+        if not pending:
+            self._recheck_until = 0.0
+        elif now > self._recheck_until:
+            self._recheck_until = now + BAD_RECORD_S
         return claimed
+
+    def _begin_in(self, slot: int, tag: int) -> SlotBegin | None:
+        """The slot's begin records, if all are published and pass their checks."""
+        head = decode_begin_head(self._region.record(slot, 0), tag)
+        if head is None:
+            return None
+        first = num_begin_records(head.num_blocks)
+        if first > self._region.published(slot):
+            return None
+        return decode_begin_ids(head, self._region.records(slot, 1, first), tag)
 
     def _advance(self, follow: _Follow) -> bool:
         published = self._region.published(follow.slot)

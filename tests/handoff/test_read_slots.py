@@ -300,13 +300,15 @@ def test_the_watcher_offers_slots_begun_by_the_sender_and_follows_those_claimed(
         mine, theirs = a_begin(12, tid=41), a_begin(5, tid=42)
         slots.open(6, tag=70, transfer_id=42)  # another receiver's transfer: offered, refused
         slots.publish_many(6, begin_records(theirs, 70))
+        slots.count_begin(3)
         slots.open(9, tag=90, transfer_id=41)
         records = begin_records(mine, 90)
         slots.publish_many(9, records[:1])  # begin records not all out yet: not offered
+        slots.count_begin(3)
         slots.ring(3)
         assert handlers.wait_for(lambda: len(claims.offers) == 1)
         assert claims.offers[0][:3] == (6, 70, 42)
-        slots.publish_many(9, records)
+        slots.publish_many(9, records)  # now visible: looked at again (within BAD_RECORD_S)
         slots.publish(9, len(records), piece_record(SPEC, 10, 11, tag=90))
         slots.ring(3)
         assert handlers.wait_for(lambda: len(handlers.records) == 1)
@@ -321,6 +323,7 @@ def test_the_watcher_offers_slots_begun_by_the_sender_and_follows_those_claimed(
         claims.ours[43] = other  # on, the scans before it have seen slots 6, 7 and 9 again
         slots.open(11, tag=110, transfer_id=43)
         slots.publish_many(11, begin_records(later, 110))
+        slots.count_begin(3)
         slots.publish(11, num_begin_records(3), fence_record(0, 0, 0, 1, 4, tag=110))
         slots.ring(3)
         assert handlers.wait_for(lambda: len(handlers.records) == 3)
