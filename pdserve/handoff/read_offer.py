@@ -26,7 +26,7 @@ from pdserve.handoff.read_slots import (
     SlotBegin,
     SlotLease,
     SlotTable,
-    fingerprint,
+    identity,
     num_begin_records,
 )
 from pdserve.handoff.ticket import HandoffTicket
@@ -87,9 +87,9 @@ class SourceOffer:
     def slot_begin(self, ticket: HandoffTicket, layout: KVLayout,
                    block_ids: np.ndarray) -> SlotBegin:
         """The begin records' content: BEGIN and SOURCE for a receiver watching the slots."""
-        return SlotBegin(ticket.transfer_id, ticket.num_blocks, self.cache_blocks,
-                         fingerprint(layout.to_dict()), ticket.receiver_instance,
-                         fingerprint(ticket.request_id), block_ids)
+        return SlotBegin(ticket.transfer_id, ticket.num_blocks, self.cache_blocks, self.address,
+                         identity(ticket.request_id, layout.to_dict()),
+                         ticket.receiver_instance, block_ids)
 
     def source_body(self, transfer_id: int, block_ids: torch.Tensor, slot: SlotLease | None,
                     address_shift: int = 0) -> dict[str, object]:

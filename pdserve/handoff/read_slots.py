@@ -75,10 +75,10 @@ def num_begin_records(num_blocks: int) -> int:
     return 1 + math.ceil(num_blocks / IDS_PER_RECORD)
 
 
-def fingerprint(value: str | dict[str, Any]) -> int:
-    """xxh3-64 of a request id or a layout's fields, as the begin record carries them."""
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return xxhash.xxh3_64_intdigest(text.encode())
+def identity(request_id: str, layout: dict[str, Any]) -> int:
+    """xxh3-64 of a transfer's request id and KV layout fields, as its begin record carries
+    them: the receiver compares it with its reservation's."""
+    return xxhash.xxh3_64_intdigest(json.dumps([request_id, layout], sort_keys=True).encode())
 
 
 @dataclass(frozen=True)
@@ -88,16 +88,16 @@ class SlotBegin:
     transfer_id: int
     num_blocks: int
     cache_blocks: int
-    layout_fingerprint: int
-    instance: int
-    request_fingerprint: int
+    cache_address: int  # where the exported cache starts in the sender (names its region)
+    identity: int  # `identity` of the request id and layout
+    instance: int  # the receiver instance the ticket names
     block_ids: np.ndarray  # the sender's source block ids (int64)
 
 
 def begin_records(begin: SlotBegin, tag: int) -> np.ndarray:
     """``[num_begin_records(num_blocks), 8]`` sealed records announcing ``begin``."""
     head = [KIND_BEGIN, begin.transfer_id, begin.num_blocks, begin.cache_blocks,
-            begin.layout_fingerprint, begin.instance, begin.request_fingerprint]
+            begin.cache_address, begin.identity, begin.instance]
     ids = np.zeros(IDS_PER_RECORD * (num_begin_records(begin.num_blocks) - 1), dtype="<u4")
     ids[:begin.num_blocks] = begin.block_ids
     rows = ids.view("<u8").reshape(-1, _WORDS - 2)
@@ -124,9 +124,8 @@ def decode_begin_ids(head: SlotBegin, records: np.ndarray, tag: int) -> SlotBegi
                 record[:7].tobytes(), seed=tag) != int(record[7])):
             return None
     ids = np.ascontiguousarray(records[:, 1:7]).view("<u4").reshape(-1)[:head.num_blocks]
-    return SlotBegin(head.transfer_id, head.num_blocks, head.cache_blocks,
-                     head.layout_fingerprint, head.instance, head.request_fingerprint,
-                     ids.astype(np.int64))
+    return SlotBegin(head.transfer_id, head.num_blocks, head.cache_blocks, head.cache_address,
+                     head.identity, head.instance, ids.astype(np.int64))
 
 
 def decode_record(record: np.ndarray, tag: int) -> tuple[int, dict[str, Any]] | None:

@@ -23,7 +23,7 @@ from pdserve.handoff.read_slots import (
     NUM_SLOTS,
     REGION_BYTES,
     SlotBegin,
-    fingerprint,
+    identity,
 )
 from pdserve.handoff.sessions import SenderSession
 from pdserve.handoff.slot_watch import ErrorHandler, RecordHandler, SlotWatcher
@@ -138,12 +138,12 @@ class SourceMaps:
         shape = (layout.num_local_layers, 2, begin.cache_blocks, row_nbytes(layout))
         nbytes = int(np.prod(shape))
         regions = list(self._maps.get(session.session_id, {}).items())  # loop adds; a copy
-        cache = next((peer for (_, _, size), peer in regions if size == nbytes), None)
+        cache = next((peer for (_, address, size), peer in regions
+                      if address == begin.cache_address and size == nbytes), None)
         ids = begin.block_ids
         if (cache is None or begin.num_blocks != record.num_blocks or not len(ids)
                 or int(ids.max()) >= begin.cache_blocks
-                or begin.request_fingerprint != fingerprint(record.request_id)
-                or begin.layout_fingerprint != fingerprint(layout.to_dict())):
+                or begin.identity != identity(record.request_id, layout.to_dict())):
             return None
         dst_ids = record.block_ids.numpy()
         source = ReadSource(cache.array.reshape(shape), ids, dst_ids, joint_runs(ids, dst_ids),

@@ -251,7 +251,7 @@ def test_a_failing_handler_ends_that_transfer_and_the_watcher_serves_the_next() 
 
 def a_begin(num_blocks: int, tid: int = 41) -> SlotBegin:
     ids = np.arange(1000, 1000 + num_blocks, dtype=np.int64)[::-1].copy()
-    return SlotBegin(tid, num_blocks, 5000, 0xABC, 2**63 + 5, 0xDEF, ids)
+    return SlotBegin(tid, num_blocks, 5000, 1 << 40, 0xABC, 2**63 + 5, ids)
 
 
 @pytest.mark.parametrize("num_blocks", [1, 12, 13, 30])
