@@ -71,7 +71,7 @@ class SourceMaps:
                  lookup: Callable[[int], InboundTransfer | None]) -> None:
         self._transport = transport
         self._on_record, self._on_error, self._lookup = on_record, on_error, lookup
-        self._maps: dict[int, dict[tuple[bytes, int, int], PeerMemory]] = {}
+        self._maps: dict[int, dict[tuple[bytes, int, int, bool], PeerMemory]] = {}
         self._watchers: dict[int, SlotWatcher] = {}
         self._count_lock = threading.Lock()
         self.num_slot_begun = 0  # transfers that began from their slot, before any frame
@@ -109,7 +109,8 @@ class SourceMaps:
             raise HandoffProtocolError(f"SOURCE names slot {slot}, bell {bell}, tag {tag}")
         if not FUTEX_AVAILABLE:
             raise HandoffProtocolError("read slots need futexes, which this platform lacks")
-        memory = self._map(session, body["slots_rkey"], body["slots_address"], REGION_BYTES)
+        memory = self._map(session, body["slots_rkey"], body["slots_address"], REGION_BYTES,
+                           writable=True)
         return SlotFeed(memory, slot, tag, bell)
 
     def follow(self, session: SenderSession, record: InboundTransfer, feed: SlotFeed) -> None:
@@ -138,8 +139,9 @@ class SourceMaps:
         shape = (layout.num_local_layers, 2, begin.cache_blocks, row_nbytes(layout))
         nbytes = int(np.prod(shape))
         regions = list(self._maps.get(session.session_id, {}).items())  # loop adds; a copy
-        cache = next((peer for (_, address, size), peer in regions
-                      if address == begin.cache_address and size == nbytes), None)
+        cache = next((peer for (_, address, size, writable), peer in regions
+                      if address == begin.cache_address and size == nbytes and not writable),
+                     None)
         ids = begin.block_ids
         if (cache is None or begin.num_blocks != record.num_blocks or not len(ids)
                 or int(ids.max()) >= begin.cache_blocks
@@ -156,9 +158,11 @@ class SourceMaps:
         return record
 
     def _map(self, session: SenderSession, rkey: bytes, address: int,
-             nbytes: int) -> PeerMemory:
+             nbytes: int, writable: bool = False) -> PeerMemory:
+        """The session's mapping of a region (made once); the cache is mapped read-only, the
+        slots region writable (a watcher rings its own bell word there)."""
         regions = self._maps.setdefault(session.session_id, {})
-        key = (rkey, address, nbytes)
+        key = (rkey, address, nbytes, writable)
         if key in regions:
             return regions[key]
         if len(regions) >= MAX_REGIONS_PER_SESSION:
@@ -168,7 +172,8 @@ class SourceMaps:
         if not endpoint.done() or endpoint.cancelled() or endpoint.exception() is not None:
             raise HandoffProtocolError("no endpoint back to the sender to map its cache with")
         try:
-            peer = self._transport.map_peer_memory(endpoint.result(), rkey, address, nbytes)
+            peer = self._transport.map_peer_memory(endpoint.result(), rkey, address, nbytes,
+                                                   writable)
         except UcpMemoryError as exc:
             raise HandoffProtocolError(f"cannot map the sender's KV cache: {exc}") from exc
         regions[key] = peer

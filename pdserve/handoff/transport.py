@@ -304,9 +304,10 @@ class HandoffTransport:
             return next((r for r in self._shared if r.contains(tensor)), None)
 
     def map_peer_memory(self, endpoint: Any, rkey: bytes, remote_address: int,
-                        nbytes: int) -> PeerMemory:
-        """Map a same-host peer's shared memory (its rkey, over our endpoint to it)."""
-        return PeerMemory.map(endpoint._ep.handle, rkey, remote_address, nbytes)
+                        nbytes: int, writable: bool = False) -> PeerMemory:
+        """Map a same-host peer's shared memory (its rkey, over our endpoint to it);
+        read-only unless ``writable``."""
+        return PeerMemory.map(endpoint._ep.handle, rkey, remote_address, nbytes, writable)
 
     async def drain(self, tag: int) -> None:
         """Consume one message with ``tag`` into a 1-byte buffer: UCX truncates it, the sender's

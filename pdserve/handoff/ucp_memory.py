@@ -166,13 +166,15 @@ class PeerMemory:
 
     @classmethod
     def map(cls, endpoint_handle: int, rkey: bytes, remote_address: int,
-            nbytes: int) -> PeerMemory:
+            nbytes: int, writable: bool = False) -> PeerMemory:
         """Unpack ``rkey`` on the endpoint to its owner and map ``nbytes`` at its
         ``remote_address``; refuses (UcpMemoryError) anything not inside the one shared
         mapping this unpack attached, so a lying peer cannot make us read outside what it
         shared (not even another peer's region mapped next to it: UCX's address arithmetic
         does not check bounds). Should UCX ever reuse an attachment, any one shared mapping
-        of this process must hold the range instead."""
+        of this process must hold the range instead. UCX attaches the segment read-write;
+        unless ``writable``, ``array`` refuses writes (one by mistake would corrupt the
+        peer's memory, e.g. its KV cache)."""
         if not 0 < len(rkey) <= MAX_RKEY_BYTES or nbytes <= 0 or remote_address <= 0:
             raise UcpMemoryError("malformed shared-memory description")
         lib = _libucp()
@@ -194,6 +196,7 @@ class PeerMemory:
             lib.ucp_rkey_destroy(handle)
             raise
         array = np.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=np.uint8)
+        array.flags.writeable = writable
         return cls(remote_address, nbytes, array, int(handle.value or 0))
 
     def pin(self) -> bool:

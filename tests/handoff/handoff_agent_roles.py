@@ -124,6 +124,13 @@ class Roles:
         except HandoffError as exc:
             return outcome(exc)
 
+    def peer_maps_writable(self) -> dict[int, bool]:
+        """Size of each region mapped from a same-host sender -> can it be written through."""
+        assert self.receiver is not None
+        maps = self.receiver._sources._maps
+        return {peer.nbytes: bool(peer.array.flags.writeable) for regions in maps.values()
+                for peer in regions.values()}
+
     def stall_direct_write(self, request_id: str) -> bool:
         """Stand in for a UCX receive into the blocks that never ends (a sender stalled
         mid-message): what the receiver's write watchdog exists for."""

@@ -27,7 +27,7 @@ from handoff_cases import (
 )
 
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.handoff.read_slots import NUM_SLOTS
+from pdserve.handoff.read_slots import NUM_SLOTS, REGION_BYTES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -83,6 +83,11 @@ def test_reads_are_byte_exact(pair, dtype: str, shape: str) -> None:
     assert sent["num_bytes_sent"] == ready["num_bytes"]
     assert receiver.call("receiver_stats")["writable_block_ids"] == []
     assert receiver.call("receiver_stats")["num_slotted_transfers"] >= 1
+    # UCX maps the sender's cache read-write; it is only readable through our view (the
+    # slots region is writable: the receiver rings its bell word there).
+    assert receiver.call("peer_maps_writable") == {
+        len(sender.call("read", block_ids=list(range(CACHE_BLOCKS)))): False,
+        REGION_BYTES: True}
 
 
 @pytest.mark.parametrize("slots", [True, False])

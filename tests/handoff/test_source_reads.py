@@ -183,7 +183,7 @@ class _Mapping:
     """A transport stand-in that maps the cache (any bytes will do for the checks here)."""
 
     def map_peer_memory(self, endpoint: object, rkey: bytes, address: int,
-                        nbytes: int) -> object:
+                        nbytes: int, writable: bool = False) -> object:
         from pdserve.handoff.ucp_memory import PeerMemory
 
         return PeerMemory(address, nbytes, np.zeros(nbytes, np.uint8))
