@@ -31,6 +31,7 @@ class PiecePump:
                  on_sent: Callable[[OutboundTransfer], None]) -> None:
         self._transport, self._pool, self._faults = transport, pool, faults
         self._on_sent = on_sent
+        self.num_begun_in_slot = 0  # transfers whose receiver needed no BEGIN/SOURCE frames
 
     async def run(self, transfer: OutboundTransfer, link: PeerLink) -> None:
         """Announce and send pieces in order, then the fence. Exits on fence or on error."""
@@ -38,16 +39,7 @@ class PiecePump:
             await link.ready
             if self._faults.begin_frames_delay_s:
                 await asyncio.sleep(self._faults.begin_frames_delay_s)
-            ticket = transfer.ticket
-            link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
-                                   "request_id": ticket.request_id,
-                                   "layout": transfer.layout.to_dict(),
-                                   "num_blocks": ticket.num_blocks, "pid": os.getpid()})
-            transfer.begun = True
-            if transfer.source is not None:
-                link.send(Kind.SOURCE, transfer.source.source_body(
-                    ticket.transfer_id, transfer.block_ids, transfer.slot,
-                    self._faults.source_address_shift))
+            self._begin(transfer, link)
             records: list[tuple[PieceSpec, int, int]] = []
             while transfer.error is None:
                 pieces, last = await self._next_items(transfer)
@@ -65,6 +57,23 @@ class PiecePump:
                     break  # woken to stop
         except HandoffError as exc:
             transfer.fail(exc)
+
+    def _begin(self, transfer: OutboundTransfer, link: PeerLink) -> None:
+        """BEGIN and, for a same-host read, SOURCE; neither when the receiver already
+        started the transfer from its slot's begin records (it left its mark there)."""
+        ticket = transfer.ticket
+        transfer.begun = True
+        if transfer.slot is not None and transfer.slot.claimed_by(ticket.receiver_instance):
+            self.num_begun_in_slot += 1  # loop only
+            return
+        link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
+                               "request_id": ticket.request_id,
+                               "layout": transfer.layout.to_dict(),
+                               "num_blocks": ticket.num_blocks, "pid": os.getpid()})
+        if transfer.source is not None:
+            link.send(Kind.SOURCE, transfer.source.source_body(
+                ticket.transfer_id, transfer.block_ids, transfer.slot,
+                self._faults.source_address_shift))
 
     @staticmethod
     async def _next_items(transfer: OutboundTransfer,

@@ -4,7 +4,8 @@ fence) through shared memory, instead of a UCX frame per piece through both even
 The sender exports one region of ``REGION_BYTES``: ``NUM_BELLS`` bells (64-byte lines: a u32
 futex word, then a u32 count of slots opened for that bell's receivers) then ``NUM_SLOTS``
 slots. A read transfer leases a slot; a slot is a header line (u32 count of published
-records; u64 words 1 and 2: the lease's tag and the transfer id) and ``SLOT_RECORDS``
+records; u64 words 1 to 3: the lease's tag, the transfer id, and the mark a receiver that
+started from the begin records leaves, `claim_mark`) and ``SLOT_RECORDS``
 records of eight little-endian u64. The caller of ``start_transfer`` first publishes the
 begin records (`begin_records`: the transfer's identity and its source block ids), so a
 receiver already watching this sender can start reading without waiting for the BEGIN and
@@ -94,6 +95,12 @@ class SlotBegin:
     block_ids: np.ndarray  # the sender's source block ids (int64)
 
 
+def claim_mark(tag: int, instance: int) -> int:
+    """What a receiver writes into a slot it started from: bound to the lease and to the
+    receiver instance its ticket names, so no other lease or receiver's mark can match."""
+    return xxhash.xxh3_64_intdigest(instance.to_bytes(8, "little"), seed=tag) or 1
+
+
 def begin_records(begin: SlotBegin, tag: int) -> np.ndarray:
     """``[num_begin_records(num_blocks), 8]`` sealed records announcing ``begin``."""
     head = [KIND_BEGIN, begin.transfer_id, begin.num_blocks, begin.cache_blocks,
@@ -152,7 +159,8 @@ class SlotRegion:
         self._bells = array[:LINE_BYTES * NUM_BELLS].view("<u4")
         slots = array[LINE_BYTES * NUM_BELLS:].reshape(NUM_SLOTS, SLOT_BYTES)
         self._counts = slots[:, :4].view("<u4")  # [NUM_SLOTS, 1]
-        self._headers = slots[:, :LINE_BYTES].view("<u8")  # [NUM_SLOTS, 8]: 1 tag, 2 tid
+        # [NUM_SLOTS, 8]: word 1 the lease's tag, 2 the transfer id, 3 the receiver's claim
+        self._headers = slots[:, :LINE_BYTES].view("<u8")
         self._records = slots[:, LINE_BYTES:].view("<u8").reshape(NUM_SLOTS, SLOT_RECORDS,
                                                                   _WORDS)
 
@@ -175,8 +183,16 @@ class SlotRegion:
 
     def open(self, slot: int, tag: int, transfer_id: int) -> None:
         self._counts[slot, 0] = 0
+        self._headers[slot, 3] = 0
         self._headers[slot, 1] = tag
         self._headers[slot, 2] = transfer_id
+
+    def claim(self, slot: int, mark: int) -> None:
+        """Receiver: it started the slot's transfer from the begin records (`claim_mark`)."""
+        self._headers[slot, 3] = mark
+
+    def claimed(self, slot: int) -> int:
+        return int(self._headers[slot, 3])
 
     def publish_many(self, slot: int, records: np.ndarray) -> None:
         """Records ``0 .. len - 1`` at once (a fresh lease's begin records)."""
@@ -230,6 +246,11 @@ class SlotLease:
         self.region.publish_many(self.slot, records)
         self.region.count_begin(self.bell)
         self.region.ring(self.bell)
+
+    def claimed_by(self, instance: int) -> bool:
+        """Whether the receiver instance the ticket names started this transfer from the
+        slot: its BEGIN and SOURCE frames would then tell it nothing."""
+        return self.region.claimed(self.slot) == claim_mark(self.tag, instance)
 
     def publish(self, position: int, record: np.ndarray) -> None:
         """Piece or fence record ``position`` (counted after the begin records)."""

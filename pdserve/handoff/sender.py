@@ -51,6 +51,7 @@ class SenderStats:
     num_failed: int
     staging: StagingStats
     num_free_read_slots: int  # of the exported slots region (0 without one)
+    num_begun_in_slot: int  # transfers its receiver started from the slot: no BEGIN/SOURCE
 
 
 class HandoffSender:
@@ -181,7 +182,8 @@ class HandoffSender:
         slots = self._exported.slots if self._exported is not None else None
         return SenderStats(len(self._active), len(self._links), self._counts["ok"],
                            self._counts["failed"], self._pool.stats(),
-                           slots.num_free() if slots is not None else 0)
+                           slots.num_free() if slots is not None else 0,
+                           self._pump.num_begun_in_slot)
 
     # ---- loop: per-transfer lifetime -------------------------------------------------------
     def _begin(self, transfer: OutboundTransfer) -> None:

@@ -18,6 +18,7 @@ from pdserve.handoff.read_slots import (
     NUM_SLOTS,
     SlotBegin,
     SlotRegion,
+    claim_mark,
     decode_begin_head,
     decode_begin_ids,
     decode_record,
@@ -156,6 +157,7 @@ class SlotWatcher:
                 log.exception("claiming read slot %d failed", slot)
                 continue
             if record is not None:
+                self._region.claim(slot, claim_mark(tag, begin.instance))  # no frames needed
                 claimed.append(_Follow(record, slot, tag, num_begin_records(begin.num_blocks)))
         if not pending:
             self._recheck_until = 0.0

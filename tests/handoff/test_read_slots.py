@@ -25,6 +25,7 @@ from pdserve.handoff.read_slots import (
     SlotRegion,
     SlotTable,
     begin_records,
+    claim_mark,
     decode_begin_head,
     decode_begin_ids,
     decode_record,
@@ -314,6 +315,9 @@ def test_the_watcher_offers_slots_begun_by_the_sender_and_follows_those_claimed(
         assert handlers.wait_for(lambda: len(handlers.records) == 1)
         assert handlers.records[0][0] is record and handlers.records[0][2]["digest"] == 11
         assert claims.offers[1] == (9, 90, 41, mine.block_ids.tolist())
+        # The claimed slot carries the mark its sender looks for; the refused one none.
+        assert slots.claimed(9) == claim_mark(90, mine.instance) and slots.claimed(6) == 0
+        assert claim_mark(90, mine.instance + 1) != claim_mark(90, mine.instance)
         slots.publish(9, len(records) + 1, fence_record(1, 10, 0, 1, 4, tag=90))
         slots.ring(3)
         assert handlers.wait_for(lambda: len(handlers.records) == 2)

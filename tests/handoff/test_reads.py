@@ -112,14 +112,15 @@ def test_reads_announced_by_slot_or_by_frames_land_the_same(pair, slots: bool) -
 
 def test_a_watching_receiver_starts_from_the_slot_before_the_frames_arrive(pair) -> None:
     """Once a receiver follows a sender's slots, the sender's next transfer begins in its
-    slot: the receiver reads and is ready before the (here 3 s late) BEGIN and SOURCE frames
-    arrive, and those frames, agreeing, change nothing (the sender's result is ok)."""
+    slot: the receiver reads and is ready before the (here held back 3 s) BEGIN and SOURCE
+    frames would leave, marks the slot, and the sender then sends neither."""
     receiver, sender = pair
     rng = random.Random("reads-slot-begin")
     layout = random_layout(rng, "float16", num_layers=4)
     assert setup_roles(receiver, sender, layout, seed=23, shared=True,
                        sender_faults={"begin_frames_delay_s": 3.0})
     begun = receiver.call("receiver_stats")["num_slot_begun"]
+    unsent = sender.call("sender_stats")["num_begun_in_slot"]
     for attempt in ("cold", "warm"):
         dst, src = pick_blocks(rng, 6), pick_blocks(rng, 6)
         pushed_at = sender.call("now")
@@ -134,6 +135,7 @@ def test_a_watching_receiver_starts_from_the_slot_before_the_frames_arrive(pair)
         else:
             assert ready["ended_at"] - pushed_at < 3.0
             assert stats["num_slot_begun"] == begun + 1
+            assert sender.call("sender_stats")["num_begun_in_slot"] == unsent + 1
     assert stats["num_failed"] == 0 and stats["writable_block_ids"] == []
     wait_slots_returned(sender)
 
