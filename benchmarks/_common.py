@@ -367,3 +367,42 @@ def save_figure(fig: Any, name: str, suptitle: str) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+@contextmanager
+def role_pair(target: Any, args: Any) -> Iterator[tuple[Any, Any]]:
+    """A receiver and a sender process (``target(conn, role, *args)``, spawned), each driven by
+    (op, args) tuples over a pipe and saying "up" first; yields their pipes (receiver,
+    sender). On exit each gets ("stop", None) and is joined (killed after 30 s)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    pipes, processes = [], []
+    try:
+        for role in ("receiver", "sender"):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=target, args=(child, role, *args))
+            process.start()
+            pipes.append(parent)
+            processes.append(process)
+        for pipe in pipes:
+            assert pipe.recv() == "up"
+        yield pipes[0], pipes[1]
+    finally:
+        for pipe in pipes:
+            pipe.send(("stop", None))
+        for process in processes:
+            process.join(30)
+            if process.is_alive():
+                process.kill()
+
+
+def transfer_block_ids(rng: Any, size: int, num_cache_blocks: int,
+                       contiguous: bool) -> tuple[list[int], list[int]]:
+    """(source, destination) block ids of one benchmark transfer of ``size`` blocks: the last
+    blocks of the source cache and a run at a random place, or random ids on both sides."""
+    if contiguous:
+        start = rng.randrange(num_cache_blocks - size + 1)
+        return (list(range(num_cache_blocks - size, num_cache_blocks)),
+                list(range(start, start + size)))
+    return rng.sample(range(num_cache_blocks), size), rng.sample(range(num_cache_blocks), size)

@@ -12,7 +12,6 @@ that makes it a protocol, so ``pdserve / ideal`` is the cost of that protocol he
 from __future__ import annotations
 
 import concurrent.futures
-import multiprocessing
 import random
 import time
 from multiprocessing import shared_memory
@@ -85,54 +84,33 @@ def measure_ideal(layout: Any, max_piece_bytes: int, sizes: list[int], reps: int
                   contiguous: bool, num_cache_blocks: int) -> dict[int, list[float]]:
     """Seconds per run (after one warm-up) for each size, block ids chosen like the handoff's
     (``layout``: the benchmark's `KVLayout`; ``max_piece_bytes``: its handoff config's)."""
+    from _common import role_pair, transfer_block_ids
+
     shape = (layout.num_local_layers, 2, num_cache_blocks, layout.block_bytes // 2)
     cache = shared_memory.SharedMemory(create=True, size=int(np.prod(shape)))
     bell = shared_memory.SharedMemory(create=True, size=8 * (1 + _MAX_PIECES))
-    ctx = multiprocessing.get_context("spawn")
-    pipes, processes = [], []
     try:
         np.ndarray(shape, np.uint8, cache.buf)[:] = np.random.randint(0, 255, shape, np.uint8)
-        for role in ("receiver", "sender"):
-            parent, child = ctx.Pipe()
-            process = ctx.Process(target=ideal_worker,
-                                  args=(child, role, cache.name, bell.name, shape, layout,
-                                        max_piece_bytes))
-            process.start()
-            pipes.append(parent)
-            processes.append(process)
-        receiver, sender = pipes
-        for pipe in pipes:
-            assert pipe.recv() == "up"
         rng = random.Random(0)
         timings: dict[int, list[float]] = {}
-        for size in sizes:
-            timings[size] = []
-            for rep in range(reps + 1):
-                if contiguous:
-                    start = rng.randrange(num_cache_blocks - size + 1)
-                    dst = list(range(start, start + size))
-                    src = list(range(num_cache_blocks - size, num_cache_blocks))
-                else:
-                    dst = rng.sample(range(num_cache_blocks), size)
-                    src = rng.sample(range(num_cache_blocks), size)
-                np.ndarray((1,), "<u8", bell.buf)[0] = 0
-                receiver.send(("read", (src, dst)))
-                assert receiver.recv() == "armed"
-                sender.send(("write", (src, dst)))
-                started = sender.recv()
-                finished, ok = receiver.recv()
-                if not ok:
-                    raise RuntimeError(f"ideal read of {size} MiB: a digest differed")
-                if rep:
-                    timings[size].append(finished - started)
+        roles = (cache.name, bell.name, shape, layout, max_piece_bytes)
+        with role_pair(ideal_worker, roles) as (receiver, sender):
+            for size in sizes:
+                timings[size] = []
+                for rep in range(reps + 1):
+                    src, dst = transfer_block_ids(rng, size, num_cache_blocks, contiguous)
+                    np.ndarray((1,), "<u8", bell.buf)[0] = 0
+                    receiver.send(("read", (src, dst)))
+                    assert receiver.recv() == "armed"
+                    sender.send(("write", (src, dst)))
+                    started = sender.recv()
+                    finished, ok = receiver.recv()
+                    if not ok:
+                        raise RuntimeError(f"ideal read of {size} MiB: a digest differed")
+                    if rep:
+                        timings[size].append(finished - started)
         return timings
     finally:
-        for pipe in pipes:
-            pipe.send(("stop", None))
-        for process in processes:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
         for memory in (cache, bell):
             memory.close()
             memory.unlink()

@@ -172,32 +172,16 @@ def measure_memcpy(sizes: list[int], reps: int) -> Rates:
 
 
 def measure_handoff(sizes: list[int], reps: int, contiguous: bool, reads: bool) -> Rates:
-    ctx = multiprocessing.get_context("spawn")
+    from _common import role_pair, transfer_block_ids
+
     num_cache_blocks = max(sizes) + 8
-    pipes, processes = [], []
-    for role in ("receiver", "sender"):
-        parent, child = ctx.Pipe()
-        process = ctx.Process(target=handoff_worker,
-                              args=(child, role, num_cache_blocks, reads))
-        process.start()
-        pipes.append(parent)
-        processes.append(process)
-    receiver, sender = pipes
-    try:
-        for pipe in pipes:
-            assert pipe.recv() == "up"
-        rng = random.Random(0)
-        results = {}
+    rng = random.Random(0)
+    results = {}
+    with role_pair(handoff_worker, (num_cache_blocks, reads)) as (receiver, sender):
         for size in sizes:
             timings = []
             for rep in range(reps + 1):
-                if contiguous:
-                    start = rng.randrange(num_cache_blocks - size + 1)
-                    dst = list(range(start, start + size))
-                    src = list(range(num_cache_blocks - size, num_cache_blocks))
-                else:
-                    dst = rng.sample(range(num_cache_blocks), size)
-                    src = rng.sample(range(num_cache_blocks), size)
+                src, dst = transfer_block_ids(rng, size, num_cache_blocks, contiguous)
                 request_id = f"{size}-{rep}"
                 receiver.send(("reserve", (request_id, dst)))
                 sender.send(("push", (receiver.recv(), src)))
@@ -212,14 +196,7 @@ def measure_handoff(sizes: list[int], reps: int, contiguous: bool, reads: bool) 
             results[size] = median_rate(size * MIB, timings)
             name = f"{'read' if reads else 'push'} {'runs' if contiguous else 'scattered'}"
             report(name, size, results[size])
-        return results
-    finally:
-        for pipe in pipes:
-            pipe.send(("stop", None))
-        for process in processes:
-            process.join(30)
-            if process.is_alive():
-                process.kill()
+    return results
 
 
 def measure_ideal(sizes: list[int], reps: int, contiguous: bool) -> Rates:
