@@ -1,6 +1,7 @@
 """Receiver side of same-host reads: map a sender's exported KV cache and slots region (once per
-sender session and region), check a transfer's SOURCE against them, follow its read slot, and
-unmap once no copy can read them any more. Loop only."""
+sender session and region), check a transfer's SOURCE (or its slot's begin records) against
+them, follow its read slot, and unmap once no copy can read them any more. Loop thread,
+except `SourceMaps._claim` (a slot watcher's)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.errors import HandoffProtocolError
 from pdserve.handoff.futex import FUTEX_AVAILABLE
 from pdserve.handoff.inbound import InboundTransfer
@@ -93,13 +95,9 @@ class SourceMaps:
         if int(ids.max()) >= cache_blocks:
             raise HandoffProtocolError(
                 f"SOURCE block id {int(ids.max())} outside the sender's {cache_blocks} blocks")
-        row = row_nbytes(layout)
-        shape = (layout.num_local_layers, 2, cache_blocks, row)
-        nbytes = int(np.prod(shape))
+        nbytes = int(np.prod(_cache_shape(layout, cache_blocks)))
         peer = self._map(session, body["rkey"], body["address"], nbytes)
-        dst_ids = record.block_ids.numpy()
-        return ReadSource(peer.array.reshape(shape), ids, dst_ids, joint_runs(ids, dst_ids), peer,
-                          self._slot_feed(session, body))
+        return _read_source(record, ids, cache_blocks, peer, self._slot_feed(session, body))
 
     def _slot_feed(self, session: SenderSession, body: dict[str, Any]) -> SlotFeed | None:
         if not body["slots_rkey"]:
@@ -129,15 +127,15 @@ class SourceMaps:
                begin: SlotBegin) -> InboundTransfer | None:
         """Watcher thread: start a transfer that ``session``'s sender began in ``slot`` if it
         is a live reservation of ours, still waiting for its BEGIN, and the begin records
-        match it exactly (same checks as BEGIN and SOURCE; the frames still come and must
-        agree). Anything else returns None: the frames then decide, with their errors."""
+        match it exactly (the checks of BEGIN and SOURCE, against a cache mapping the session
+        already made). Anything else returns None: BEGIN and SOURCE frames then decide, with
+        their errors (the sender skips them only for a slot we marked as started)."""
         record = self._lookup(begin.transfer_id)
         if (record is None or not record.reads_offered
                 or begin.instance != self._transport.instance_id):
             return None  # (reads are offered for host caches only)
         layout = record.layout
-        shape = (layout.num_local_layers, 2, begin.cache_blocks, row_nbytes(layout))
-        nbytes = int(np.prod(shape))
+        nbytes = int(np.prod(_cache_shape(layout, begin.cache_blocks)))
         regions = list(self._maps.get(session.session_id, {}).items())  # loop adds; a copy
         cache = next((peer for (_, address, size, writable), peer in regions
                       if address == begin.cache_address and size == nbytes and not writable),
@@ -147,9 +145,8 @@ class SourceMaps:
                 or int(ids.max()) >= begin.cache_blocks
                 or begin.identity != identity(record.request_id, layout.to_dict())):
             return None
-        dst_ids = record.block_ids.numpy()
-        source = ReadSource(cache.array.reshape(shape), ids, dst_ids, joint_runs(ids, dst_ids),
-                            cache, SlotFeed(feed.memory, slot, tag, feed.bell))
+        source = _read_source(record, ids, begin.cache_blocks, cache,
+                              SlotFeed(feed.memory, slot, tag, feed.bell))
         with record.write_lock:
             if not record.begin_in_slot(session.session_id, source):
                 return None
@@ -192,3 +189,16 @@ class SourceMaps:
     def forget_all(self) -> None:
         for session_id in list(self._maps):
             self.forget(session_id)
+
+
+def _cache_shape(layout: KVLayout, cache_blocks: int) -> tuple[int, int, int, int]:
+    """A sender's exported cache as byte rows: ``[layers, 2, cache blocks, row bytes]``."""
+    return (layout.num_local_layers, 2, cache_blocks, row_nbytes(layout))
+
+
+def _read_source(record: InboundTransfer, ids: np.ndarray, cache_blocks: int,
+                 cache: PeerMemory, feed: SlotFeed | None) -> ReadSource:
+    """Where ``record`` reads from: ``ids`` (checked) of the mapped ``cache``."""
+    dst_ids = record.block_ids.numpy()
+    return ReadSource(cache.array.reshape(_cache_shape(record.layout, cache_blocks)), ids,
+                      dst_ids, joint_runs(ids, dst_ids), cache, feed)
