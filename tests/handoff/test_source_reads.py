@@ -18,7 +18,7 @@ from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff import kvcopy
 from pdserve.handoff.config import HandoffConfig
 from pdserve.handoff.errors import HandoffProtocolError
-from pdserve.handoff.inbound import InboundTransfer
+from pdserve.handoff.inbound import InboundState, InboundTransfer
 from pdserve.handoff.kvcopy import (
     cache_rows,
     digest_rows,
@@ -239,6 +239,37 @@ def test_a_transfer_takes_its_announcements_from_one_channel() -> None:
              "first_token_id": 1, "num_tokens": 15}
     with pytest.raises(HandoffProtocolError, match="fence frame for a transfer announced"):
         slotted.accept_fence(9, fence)
+
+
+def test_a_transfer_begun_in_its_slot_takes_agreeing_frames_and_refuses_others() -> None:
+    """Begin records start it once; a late BEGIN or SOURCE (the claim mark came too late
+    for the sender) must say the same, from the same session."""
+    ids = (10, 11, 12, 13)
+    record = InboundTransfer("req", 77, LAYOUT, torch.tensor(ids), ids, 15,
+                             time.monotonic() + 10, 1 << 20, instance=5, reads_offered=True)
+    source = read_source(SlotFeed(PeerMemory(1, 1, np.zeros(1, np.uint8)), 3, 7, 1))
+    assert record.begin_in_slot(9, source) and record.began_in_slot
+    assert not record.begin_in_slot(9, source)  # once
+    begin = {"tid": 77, "instance": 5, "request_id": "req", "layout": LAYOUT.to_dict(),
+             "num_blocks": 4, "pid": 1}
+    record.accept_begin(9, begin)
+    assert record.sender_pid == 1 and record.session_id == 9
+    with pytest.raises(HandoffProtocolError, match="already began"):
+        record.accept_begin(8, begin)  # another session
+    with pytest.raises(HandoffProtocolError, match="blocks"):
+        record.accept_begin(9, {**begin, "num_blocks": 3})
+    blocks = np.arange(4, dtype="<u4").tobytes()  # read_source's ids
+    record.check_slot_source(9, {"slot": 3, "slot_tag": 7, "blocks": blocks})
+    with pytest.raises(HandoffProtocolError, match="names slot 4"):
+        record.check_slot_source(9, {"slot": 4, "slot_tag": 7, "blocks": blocks})
+    with pytest.raises(HandoffProtocolError, match="other blocks"):
+        record.check_slot_source(9, {"slot": 3, "slot_tag": 7, "blocks": blocks[::-1]})
+    with pytest.raises(HandoffProtocolError, match="did not begin"):
+        record.check_slot_source(8, {"slot": 3, "slot_tag": 7, "blocks": blocks})
+    unoffered = InboundTransfer("req", 78, LAYOUT, torch.tensor(ids), ids, 15,
+                                time.monotonic() + 10, 1 << 20, instance=5)
+    assert not unoffered.begin_in_slot(9, source)  # still reserved, but offered no reads
+    assert unoffered.state is InboundState.RESERVED
 
 
 def test_same_host_reads_setting_parses_from_the_environment() -> None:
