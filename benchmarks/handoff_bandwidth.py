@@ -346,23 +346,28 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"KV-shaped payloads: {NUM_LAYERS} layers x N blocks of 32 KiB per layer (fp16); "
           f"{os.cpu_count()} CPUs; median of {args.reps} runs", flush=True)
+    # Each ideal read runs right after the read it bounds: this VM's speed drifts over minutes.
     steps: list[tuple[str, Callable[[], Rates]]] = [
         ("memcpy", lambda: measure_memcpy(sizes, args.reps)),
-        *((f"{mode} {kind}", functools.partial(measure_handoff, sizes, args.reps,
-                                                 contiguous=kind == "runs",
-                                                 reads=mode == "read"))
-          for mode in ("read", "push") for kind in ("scattered", "runs")),
-        *((f"ideal read {kind}", functools.partial(measure_ideal, sizes, args.reps,
-                                                    contiguous=kind == "runs"))
+        *(step for kind in ("scattered", "runs") for step in (
+            (f"read {kind}", functools.partial(measure_handoff, sizes, args.reps,
+                                               contiguous=kind == "runs", reads=True)),
+            (f"ideal read {kind}", functools.partial(measure_ideal, sizes, args.reps,
+                                                     contiguous=kind == "runs")))),
+        *((f"push {kind}", functools.partial(measure_handoff, sizes, args.reps,
+                                             contiguous=kind == "runs", reads=False))
           for kind in ("scattered", "runs")),
         ("tcp", lambda: measure_tcp(sizes, args.reps)),
     ]
     if not args.no_ray:
         steps.append(("ray", lambda: measure_ray(sizes, args.reps)))
-    columns = {}
+    measured = {}
     for name, run in steps:
         print(f"[{name}]", flush=True)
-        columns[name] = run()
+        measured[name] = run()
+    order = ["memcpy", "read scattered", "read runs", "push scattered", "push runs",
+             "ideal read scattered", "ideal read runs", "tcp", "ray"]
+    columns = {name: measured[name] for name in order if name in measured}
     print()
     print(table(sizes, columns))
     for kind in ("scattered", "runs"):
