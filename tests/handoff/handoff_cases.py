@@ -77,3 +77,28 @@ def check_deferred_free(receiver: Agent, sender: Agent, request_id: str,
     assert sent["released_at"] - pushed["started_at"] >= delay
     assert receiver.call("wait", request_id=request_id, timeout=20)["ok"]
     assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+
+
+def kill_sender_midstream(receiver: Agent, doomed: Agent, request_id: str, *, shared: bool,
+                          deadline_s: float,
+                          in_flight: Callable[[list[int]], bool]) -> tuple[KVLayout, list[int],
+                                                                           list[int]]:
+    """``doomed`` sends half of a transfer's layers (no fence) and is killed -9 once
+    ``in_flight(dst)`` holds; checks the receiver's ticket failed by its deadline with its
+    blocks released. Returns (layout, dst, src). ``shared``: a same-host read."""
+    rng = random.Random(request_id)
+    layout = random_layout(rng, "float32", num_layers=6, num_kv_heads=4, head_dim=64)
+    assert setup_roles(receiver, doomed, layout, seed=23, shared=shared) == shared
+    dst, src = pick_blocks(rng, 8), pick_blocks(rng, 8)
+    reserved_at = receiver.call("now")
+    ticket = reserve(receiver, request_id, dst, layout, timeout_s=deadline_s)
+    handle = doomed.call("start", ticket=ticket, block_ids=src, layers_per_piece=1)
+    doomed.call("send_layers", handles=[handle], layers=[0, 1, 2])  # half the layers, no fence
+    wait_until(lambda: in_flight(dst), 5, "the transfer under way")
+    doomed.kill()
+    outcome = receiver.call("wait", request_id=request_id, timeout=deadline_s + 5)
+    assert not outcome["ok"] and outcome["code"] in ("peer_gone", "timeout"), outcome
+    assert outcome["ended_at"] <= reserved_at + deadline_s + 0.5  # heartbeats beat the deadline
+    assert outcome["blocks_released"]
+    assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])
+    return layout, dst, src

@@ -9,7 +9,14 @@ import random
 
 import pytest
 from conftest import spawn_agents
-from handoff_cases import pick_blocks, random_layout, reserve, setup_roles, wait_until
+from handoff_cases import (
+    kill_sender_midstream,
+    pick_blocks,
+    random_layout,
+    reserve,
+    setup_roles,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -17,25 +24,9 @@ pytestmark = pytest.mark.timeout(120)
 def test_sender_killed_midstream_fails_the_ticket_within_its_deadline(pair) -> None:
     receiver, _ = pair
     (doomed,) = spawn_agents(None)
-    rng = random.Random("kill-sender")
-    layout = random_layout(rng, "float32", num_layers=6, num_kv_heads=4, head_dim=64)
-    setup_roles(receiver, doomed, layout, seed=23)
-    dst, src = pick_blocks(rng, 8), pick_blocks(rng, 8)
-    deadline_s = 6.0
-    reserved_at = receiver.call("now")
-    ticket = reserve(receiver, "orphan", dst, layout, timeout_s=deadline_s)
-    handle = doomed.call("start", ticket=ticket, block_ids=src, layers_per_piece=1)
-    doomed.call("send_layers", handles=[handle], layers=[0, 1, 2])  # half the layers, no fence
-    wait_until(lambda: dst[0] in receiver.call("receiver_stats")["writable_block_ids"], 5,
-               "reservation live")
-    doomed.kill()
-
-    outcome = receiver.call("wait", request_id="orphan", timeout=deadline_s + 5)
-    assert not outcome["ok"]
-    assert outcome["code"] in ("peer_gone", "timeout"), outcome
-    assert outcome["ended_at"] <= reserved_at + deadline_s + 0.5  # heartbeats beat the deadline
-    assert outcome["blocks_released"]
-    assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])
+    kill_sender_midstream(
+        receiver, doomed, "kill-sender", shared=False, deadline_s=6.0,
+        in_flight=lambda dst: dst[0] in receiver.call("receiver_stats")["writable_block_ids"])
 
 
 def test_receiver_killed_midstream_completes_the_sender_with_an_error(pair) -> None:

@@ -19,6 +19,7 @@ from handoff_agent import Agent
 from handoff_cases import (
     CACHE_BLOCKS,
     check_deferred_free,
+    kill_sender_midstream,
     pick_blocks,
     random_layout,
     reserve,
@@ -290,21 +291,9 @@ def test_sender_killed_mid_stream_releases_the_reservation_and_stalls_nothing(
         lone_receiver) -> None:
     receiver = lone_receiver
     doomed, successor = spawn_agents(None, None)
-    rng = random.Random("reads-kill")
-    layout = random_layout(rng, "float32", num_layers=6, num_kv_heads=4, head_dim=64)
-    assert setup_roles(receiver, doomed, layout, seed=23, shared=True)
-    dst, src = pick_blocks(rng, 8), pick_blocks(rng, 8)
-    deadline_s = 4.0
-    reserved_at = receiver.call("now")
-    ticket = reserve(receiver, "reads-orphan", dst, layout, timeout_s=deadline_s)
-    handle = doomed.call("start", ticket=ticket, block_ids=src, layers_per_piece=1)
-    doomed.call("send_layers", handles=[handle], layers=[0, 1, 2])  # half the layers, no fence
-    wait_until(lambda: receiver.call("receiver_stats")["num_read_pieces"] >= 3, 5, "3 reads")
-    doomed.kill()
-    outcome = receiver.call("wait", request_id="reads-orphan", timeout=deadline_s + 5)
-    assert outcome["code"] in ("peer_gone", "timeout"), outcome
-    assert outcome["ended_at"] <= reserved_at + deadline_s + 0.5
-    assert outcome["blocks_released"]
+    layout, dst, src = kill_sender_midstream(
+        receiver, doomed, "reads-orphan", shared=True, deadline_s=4.0,
+        in_flight=lambda _: receiver.call("receiver_stats")["num_read_pieces"] >= 3)
     assert receiver.call("receiver_stats")["writable_block_ids"] == []
     # No payload went through UCX's shared-memory FIFO, so the kill left nothing stalled:
     # the same receiver serves the next sender at once.
