@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -39,6 +40,7 @@ class DecodeEvent:
     kind: Literal["ticket", "tokens", "handoff_failed"]
     ticket: dict[str, Any] | None = None
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, if asked
     text: str = ""
     finished: bool = False
     finish_reason: str | None = None

@@ -25,9 +25,9 @@ logger = logging.getLogger(__name__)
 
 def tokens_event(out: RequestOutput) -> DecodeEvent:
     return DecodeEvent(
-        kind="tokens", token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
-        finish_reason=out.finish_reason, num_output_tokens=out.num_output_tokens,
-        num_cached_tokens=out.num_cached_tokens,
+        kind="tokens", token_ids=out.new_token_ids, logprobs=out.logprobs, text=out.new_text,
+        finished=out.finished, finish_reason=out.finish_reason,
+        num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
     )
 
 

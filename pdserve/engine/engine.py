@@ -21,7 +21,7 @@ from pdserve.engine.kv_layout import NAME_BY_DTYPE, KVLayout
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestMode, RequestStatus
-from pdserve.engine.sampler import make_generator
+from pdserve.engine.sampler import TokenLogprobs, make_generator
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.stop_strings import TextStream
@@ -43,7 +43,8 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
-    logprobs: list[object] = field(default_factory=list)
+    # One per token of new_token_ids when the request asked for logprobs (else empty).
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     queue_s: float = 0.0  # from add_request until the request's first chunk was scheduled
 
 
@@ -308,7 +309,7 @@ class LLMEngine:
         self._tracked[request.request_id] = tracked
         return tracked
 
-    def _process(self, request: Request, logprobs: object | None) -> RequestOutput | None:
+    def _process(self, request: Request, logprobs: TokenLogprobs | None) -> RequestOutput | None:
         tracked = self._tracked.get(request.request_id)
         if tracked is None:
             return None
@@ -327,7 +328,7 @@ class LLMEngine:
 
     def _finish_output(
         self, request: Request, tracked: _Tracked, new_ids: list[int], text: str,
-        logprobs: list[object] | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
         if request.status is not RequestStatus.PREFILLED:
             # A prefilled request's text goes on at the decode worker, which completes any
@@ -340,7 +341,7 @@ class LLMEngine:
 
     def _output(
         self, request: Request, new_ids: list[int], text: str, finished: bool,
-        logprobs: list[object] | None = None,
+        logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
         if request.status is RequestStatus.PREFILLED:
             reason: str | None = "prefilled"

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention.metadata import AttentionMetadata
-from pdserve.engine.sampler import Sampler
+from pdserve.engine.sampler import Sampler, TokenLogprobs
 from pdserve.engine.scheduler import SchedulerOutput
 
 
@@ -21,7 +21,7 @@ class StepResult:
     """What one forward pass produced: a next token for every chunk that samples."""
 
     sampled_token_ids: dict[str, int]
-    logprobs: dict[str, object]
+    logprobs: dict[str, TokenLogprobs | None]
     num_tokens_computed: int
 
 

@@ -6,6 +6,7 @@ Matches transformers' AutoTokenizer on the same files (encode, decode, apply_cha
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +16,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 from pdserve.engine.errors import CheckpointError, InvalidRequestError
 
@@ -28,6 +30,20 @@ _SPECIAL_TOKEN_NAMES = (
     "mask_token",
 )
 _REPLACEMENT_CHAR = "\ufffd"
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte, inverted: printable Latin-1 bytes
+    stand for themselves, the other 68 take the code points from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    alphabet = {chr(b): b for b in printable}
+    alphabet.update({chr(256 + n): b for n, b in enumerate(others)})
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def _raise_exception(message: str) -> None:
@@ -78,6 +94,11 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)
         self.eos_token_ids = eos_token_ids
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
+        # Added tokens are stored as their text, never in the byte-level alphabet.
+        self._token_bytes: dict[int, bytes] = {
+            token_id: added.content.encode()
+            for token_id, added in backend.get_added_tokens_decoder().items()}
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> Tokenizer:
@@ -109,6 +130,27 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, even a part of a UTF-8 character (what OpenAI's
+        logprobs list as ``bytes``): added tokens as the UTF-8 of their text, byte-level BPE
+        pieces mapped back through their byte alphabet, ``<0xNN>`` byte-fallback pieces as that
+        byte, any other piece (SentencePiece words with ``▁`` for a space) as UTF-8."""
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:  # a model's padded vocabulary rows (a top alternative, say)
+            return b""
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            data = bytes(_BYTE_LEVEL[c] for c in piece)
+        elif fallback is not None:
+            data = bytes([int(fallback.group(1), 16)])
+        else:
+            data = piece.replace("\u2581", " ").encode()
+        self._token_bytes[token_id] = data
+        return data
 
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -28,3 +29,4 @@ class PrefillResult:
     num_computed_tokens: int  # prompt tokens this worker actually ran through the model
     queue_s: float  # from arrival at the worker until its first chunk was scheduled
     compute_s: float  # from the first scheduled chunk until the first token was sampled
+    first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs

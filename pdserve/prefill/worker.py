@@ -96,6 +96,7 @@ class PrefillWorker:
             num_computed_tokens=first.num_prompt_tokens - first.num_cached_tokens,
             queue_s=first.queue_s,
             compute_s=max(0.0, time.monotonic() - arrived - first.queue_s),
+            first_logprobs=first.logprobs[0] if first.logprobs else None,
         )
 
     def _send_layer(self, layer: int, output: SchedulerOutput) -> None:

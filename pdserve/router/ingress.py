@@ -9,18 +9,19 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.log import configure_logging
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.errors import ModelNotFoundError, RequestTimeoutError
 from pdserve.router.http_errors import install_error_handlers
+from pdserve.router.logprobs import LogprobsFormatter
 from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.pipeline import (
     GenerationDelta,
@@ -77,6 +78,7 @@ class _Outcome:
     finish_reason: str = "stop"
     first_token_at: float = 0.0
     last_token_at: float = 0.0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 class Ingress:
@@ -115,9 +117,6 @@ class Ingress:
     def _check(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         if req.model != self.settings.served_model_name:
             raise ModelNotFoundError(req.model, [self.settings.served_model_name])
-        if req.requested_logprobs() is not None:
-            raise InvalidRequestError("logprobs are not supported by this server yet; "
-                                      "remove logprobs/top_logprobs")
 
     async def _serve(self, req: ChatCompletionRequest | CompletionRequest, rid: str,
                      trace: RequestTrace, ids: list[int], chat: bool) -> Response:
@@ -145,13 +144,18 @@ class Ingress:
         self._finish(trace, outcome, "ok")
         usage = Usage.from_counts(len(ids), outcome.num_output_tokens, outcome.num_cached_tokens)
         model, created = self.settings.served_model_name, unix_time()
+        logprobs = (LogprobsFormatter(self.tokenizer)
+                    if req.requested_logprobs() is not None else None)
         if chat:
-            choice = ChatCompletionChoice(message=AssistantMessage(content=outcome.text),
-                                          finish_reason=outcome.finish_reason)
+            choice = ChatCompletionChoice(
+                message=AssistantMessage(content=outcome.text), finish_reason=outcome.finish_reason,
+                logprobs=logprobs.chat(outcome.logprobs) if logprobs else None)
             return JSONResponse(ChatCompletionResponse(
                 id=rid, created=created, model=model, choices=[choice], usage=usage
             ).model_dump(mode="json"))
-        choice_c = CompletionChoice(text=outcome.text, finish_reason=outcome.finish_reason)
+        choice_c = CompletionChoice(
+            text=outcome.text, finish_reason=outcome.finish_reason,
+            logprobs=logprobs.completion(outcome.logprobs) if logprobs else None)
         return JSONResponse(CompletionResponse(
             id=rid, created=created, model=model, choices=[choice_c], usage=usage
         ).model_dump(mode="json"))
@@ -167,15 +171,15 @@ class Ingress:
             yield fmt.first()
         else:
             fmt = CompletionStreamFormatter(rid, model, created, req.include_usage)
+        logprobs = (LogprobsFormatter(self.tokenizer)
+                    if req.requested_logprobs() is not None else None)
         status = "cancelled"
         try:
             self._record(outcome, first)
-            if first.text:
-                yield fmt.delta(first.text)
+            yield _delta_event(fmt, first, logprobs)
             async for delta in self._timed(deltas, trace):
                 self._record(outcome, delta)
-                if delta.text:
-                    yield fmt.delta(delta.text)
+                yield _delta_event(fmt, delta, logprobs)
             usage = Usage.from_counts(trace.timings.num_prompt_tokens, outcome.num_output_tokens,
                                       outcome.num_cached_tokens)
             status = "ok"
@@ -217,6 +221,7 @@ class Ingress:
                 outcome.first_token_at = now
             outcome.last_token_at = now
         outcome.text += delta.text
+        outcome.logprobs += delta.logprobs
         outcome.num_output_tokens += len(delta.token_ids)
         outcome.num_cached_tokens = max(outcome.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished and delta.finish_reason:
@@ -241,6 +246,17 @@ class Ingress:
         if self.prefill is not None:
             stats["prefill"] = await self.prefill.kv_stats.remote()
         return stats
+
+
+def _delta_event(fmt: ChatStreamFormatter | CompletionStreamFormatter, delta: GenerationDelta,
+                 logprobs: LogprobsFormatter | None) -> str:
+    """The chunk for one delta: its text, and its tokens' logprobs when asked for (a chunk of
+    no text still carries those: the detokenizer may hold a partial character back)."""
+    if logprobs is not None and delta.logprobs:
+        if isinstance(fmt, ChatStreamFormatter):
+            return fmt.delta(delta.text, logprobs.chat(delta.logprobs))
+        return fmt.delta(delta.text, logprobs.completion(delta.logprobs))
+    return fmt.delta(delta.text) if delta.text else ""
 
 
 def build_app(ingress: Ingress) -> FastAPI:

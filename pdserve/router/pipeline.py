@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdserve.decode.api import DecodeCapacityError, DecodeEvent, DecodeRequest
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.api import PrefillRequest, PrefillResult
 from pdserve.router.errors import OverloadedError
@@ -35,6 +36,7 @@ class GenerationDelta:
     finished: bool = False
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, if asked
 
 
 class RequestTrace:
@@ -120,8 +122,10 @@ class GenerationPipeline:
                          prefix_hit_tokens=result.num_cached_tokens,
                          prefill_tokens_computed=result.num_computed_tokens)
             prefill_done = time.monotonic()
+            first_logprobs = [result.first_logprobs] if result.first_logprobs else []
             yield GenerationDelta(result.first_text, [result.first_token_id],
-                                  num_cached_tokens=result.num_cached_tokens)
+                                  num_cached_tokens=result.num_cached_tokens,
+                                  logprobs=first_logprobs)
             async for event in events:
                 if event.kind == "handoff_failed":
                     trace.update(path="recompute_fallback", fallback_reason="handoff_failed")
@@ -145,4 +149,4 @@ def _delta(event: DecodeEvent) -> GenerationDelta:
     if event.kind != "tokens":
         raise RuntimeError(f"decode worker sent an unexpected {event.kind!r} event")
     return GenerationDelta(event.text, event.token_ids, event.finished, event.finish_reason,
-                           event.num_cached_tokens)
+                           event.num_cached_tokens, event.logprobs)

@@ -168,3 +168,27 @@ def test_chat_template_errors_are_invalid_requests(
     (target / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(InvalidRequestError, match="no chat_template"):
         Tokenizer.from_checkpoint(target).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=TEXT_STRATEGY)
+def test_token_bytes_concatenate_to_the_texts_utf8(ours: Tokenizer, text: str) -> None:
+    assert b"".join(ours.token_bytes(i) for i in ours.encode(text)) == text.encode()
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ids=st.lists(st.integers(min_value=0, max_value=1023), max_size=40))
+def test_token_bytes_of_any_ids_decode_like_the_tokenizer(ours: Tokenizer, ids: list[int]) -> None:
+    joined = b"".join(ours.token_bytes(i) for i in ids)
+    assert joined.decode("utf-8", errors="replace") == ours.decode(ids, skip_special_tokens=False)
+
+
+def test_token_bytes_of_special_and_partial_tokens(ours: Tokenizer) -> None:
+    assert ours.token_bytes(ours.token_to_id("<|im_end|>")) == b"<|im_end|>"
+    pieces = [ours.token_bytes(i) for i in ours.encode("🙂")]  # 4 UTF-8 bytes, several tokens
+    assert b"".join(pieces) == "🙂".encode() and len(pieces) > 1
+    assert ours.token_bytes(ours.vocab_size + 7) == b""  # a padded vocabulary row
