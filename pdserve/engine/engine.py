@@ -290,6 +290,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
+        biased = [t for t, _ in sampling_params.logit_bias if t >= vocab]
+        if biased:
+            raise InvalidRequestError(
+                f"logit_bias token id {biased[0]} is outside the vocabulary [0, {vocab})")
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

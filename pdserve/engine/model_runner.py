@@ -93,10 +93,11 @@ class ModelRunner:
         if not batch.sample_request_ids:
             return StepResult({}, {}, int(batch.input_ids.numel()))
         logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        params_by_id = {c.request.request_id: c.request.sampling_params for c in output.chunks}
+        requests = {c.request.request_id: c.request for c in output.chunks}
         ids = batch.sample_request_ids
         sampled = self.sampler.sample(
-            logits, [params_by_id[i] for i in ids], [generators.get(i) for i in ids]
+            logits, [requests[i].sampling_params for i in ids], [generators.get(i) for i in ids],
+            [requests[i].output_token_ids for i in ids],
         )
         logprobs = (
             dict(zip(ids, sampled.logprobs, strict=True)) if sampled.logprobs is not None else {}

@@ -5,6 +5,7 @@ Seeded rows draw only from their own generator, so a seed reproduces in any batc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,14 +47,19 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        output_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
-        """``logits``: float [N, V]; ``params``/``generators``: one per row."""
+        """``logits``: float [N, V]; ``params``/``generators``: one per row; ``output_ids``:
+        each row's tokens generated so far (what penalties count; None: none yet)."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(
                 f"sample: logits {tuple(logits.shape)} needs one row per params "
                 f"({len(params)}) and generator ({len(generators)})"
             )
-        logits = logits.float()
+        raw = logits = logits.float()
+        adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+        if adjusted:
+            logits = _penalize_and_bias(logits, params, output_ids, adjusted)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
@@ -65,7 +71,7 @@ class Sampler:
             )
             token_ids = token_ids.index_copy(0, rows, drawn)
         token_list = token_ids.tolist()
-        return SamplerOutput(token_list, _logprobs(logits, params, token_list))
+        return SamplerOutput(token_list, _logprobs(raw, params, token_list))
 
     def _draw(
         self,
@@ -91,6 +97,27 @@ class Sampler:
                 noise[i].exponential_(generator=generator)
         # A zero draw would make 0/0 = NaN for a masked token, and argmax prefers NaN.
         return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
+
+
+def _penalize_and_bias(logits: torch.Tensor, params: list[SamplingParams],
+                       output_ids: Sequence[Sequence[int]] | None,
+                       rows: list[int]) -> torch.Tensor:
+    """A copy of ``logits`` with each of ``rows`` lowered by its penalties for the tokens it
+    generated so far (presence once, frequency per occurrence) and raised by its bias."""
+    logits = logits.clone()
+    vocab = logits.shape[1]
+    for row in rows:
+        p = params[row]
+        generated = output_ids[row] if output_ids is not None else ()
+        if generated and (p.presence_penalty or p.frequency_penalty):
+            ids = torch.tensor(generated, dtype=torch.long, device=logits.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device)
+            logits[row].index_add_(0, ids, bias.to(logits.dtype))
+    return logits
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -13,6 +13,10 @@ from pdserve.engine.errors import InvalidRequestError
 
 # OpenAI's API caps top_logprobs at 20; more would also make the sampler's top-k costly.
 MAX_LOGPROBS = 20
+# OpenAI's ranges for the penalties and for a logit bias (at most 300 biased tokens).
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
 # torch.Generator.manual_seed accepts exactly this range.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
@@ -39,7 +43,10 @@ class SamplingParams:
     ``stop`` strings are matched by the detokenizing layer above the scheduler, which then
     calls ``Scheduler.finish_request``; ``stop_token_ids`` apply even with ``ignore_eos``.
     ``logprobs``: how many top alternatives to return per token (0: only the sampled
-    token's own logprob; None: no logprobs).
+    token's own logprob; None: no logprobs). ``presence_penalty`` / ``frequency_penalty``
+    lower the logits of tokens already generated (once / per occurrence; negative values
+    raise them), ``logit_bias`` adds to chosen tokens' logits: all three before temperature,
+    top-k and top-p; reported logprobs stay those of the model's raw distribution.
     """
 
     max_tokens: int = 16
@@ -51,6 +58,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
 
     def __post_init__(self) -> None:
         if _require_int("max_tokens", self.max_tokens) < 1:
@@ -75,7 +85,13 @@ class SamplingParams:
             )
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= _require_float(name, getattr(self, name)) <= MAX_PENALTY:
+                raise InvalidRequestError(
+                    f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+            object.__setattr__(self, name, float(getattr(self, name)))
         self._normalize_stops()
+        self._normalize_logit_bias()
 
     def _normalize_stops(self) -> None:
         # Edges hand us lists (JSON) or a bare string (OpenAI allows `stop: "x"`); store tuples
@@ -92,6 +108,27 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
         object.__setattr__(self, "temperature", float(self.temperature))
         object.__setattr__(self, "top_p", float(self.top_p))
+
+    def _normalize_logit_bias(self) -> None:
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple((_require_int("logit_bias token id", t), _require_float("logit_bias", b))
+                     for t, b in pairs)
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequestError(
+                f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+        if len({t for t, _ in bias}) != len(bias):
+            raise InvalidRequestError("logit_bias names a token id twice")
+        for token_id, value in bias:
+            if token_id < 0 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias needs token ids >= 0 and biases in [-{MAX_LOGIT_BIAS}, "
+                    f"{MAX_LOGIT_BIAS}], got {token_id}: {value}")
+        object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must change this request's logits before drawing."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:

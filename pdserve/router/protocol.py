@@ -10,7 +10,15 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
-from pdserve.engine.sampling_params import MAX_LOGPROBS, MAX_SEED, MIN_SEED, SamplingParams
+from pdserve.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_SEED,
+    MIN_SEED,
+    SamplingParams,
+)
 from pdserve.router.protocol_responses import (
     AssistantMessage,
     ChatCompletionChoice,
@@ -105,9 +113,14 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
     user: str | None = None
-    presence_penalty: float | None = Field(None, description="Unsupported unless 0.")
-    frequency_penalty: float | None = Field(None, description="Unsupported unless 0.")
-    logit_bias: dict[str, float] | None = Field(None, description="Unsupported unless empty.")
+    presence_penalty: float | None = Field(
+        None, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        description="Lowers the logit of every token generated so far, once.")
+    frequency_penalty: float | None = Field(
+        None, ge=-MAX_PENALTY, le=MAX_PENALTY,
+        description="Lowers the logit of every token generated so far, per occurrence.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit, -100..100.")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -133,18 +146,20 @@ class _SamplingRequest(_Request):
             raise ValueError(f"n must be 1, got {value}")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float | None, info: ValidationInfo) -> float | None:
-        if value not in (None, 0):
-            raise ValueError(f"{info.field_name} is not supported; omit it or send 0")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported; omit it")
+    def _token_ids_and_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return value
+        if len(value) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                             f"got {len(value)}")
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (digits), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias for token {key} must be in "
+                                 f"[-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {bias}")
         return value
 
     @property
@@ -298,4 +313,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=req.requested_logprobs(),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=tuple((int(key), bias) for key, bias in (req.logit_bias or {}).items()),
     )

@@ -115,6 +115,42 @@ def test_logprobs_of_sampled_token_and_top_alternatives() -> None:
     assert third is not None and third.top == []
 
 
+def test_penalties_count_generated_tokens_and_bias_adds_to_logits() -> None:
+    logits = torch.zeros(1, VOCAB)
+    logits[0, :4] = torch.tensor([5.0, 4.5, 4.0, 1.0])
+    generated = [[0, 0, 1]]  # token 0 twice, token 1 once
+
+    def greedy(**kwargs: Any) -> int:
+        params = SamplingParams(temperature=0, **kwargs)
+        return Sampler().sample(logits, [params], [None], generated).token_ids[0]
+
+    assert greedy() == 0
+    assert greedy(presence_penalty=0.6) == 0  # 4.4 / 3.9 / 4.0: presence alone keeps 0
+    assert greedy(frequency_penalty=0.4) == 0  # 4.2 / 4.1 / 4.0
+    assert greedy(frequency_penalty=0.6) == 2  # 3.8 / 3.9 / 4.0: per occurrence
+    assert greedy(presence_penalty=1.0, frequency_penalty=0.1) == 2  # 3.8 / 3.4 / 4.0
+    assert greedy(frequency_penalty=-1.0) == 0  # negative: repeat more
+    assert greedy(logit_bias={3: 10.0}) == 3
+    assert greedy(logit_bias={0: -100.0, 1: -100.0}) == 2
+    # Nothing generated yet: penalties change nothing; the raw logprobs are reported either way.
+    out = Sampler().sample(logits, [SamplingParams(temperature=0, frequency_penalty=2.0,
+                                                   logprobs=1)], [None], [[]])
+    assert out.token_ids == [0] and out.logprobs is not None and out.logprobs[0] is not None
+    assert math.isclose(out.logprobs[0].logprob, torch.log_softmax(logits[0], -1)[0].item(),
+                        rel_tol=1e-6)
+
+
+def test_a_banned_token_is_never_drawn_and_neighbours_are_untouched() -> None:
+    logits = _logits(2)
+    favourite = int(logits[0].argmax())
+    banned = SamplingParams(temperature=1.5, seed=3, logit_bias={favourite: -100.0})
+    plain = SamplingParams(temperature=0)
+    for step in range(40):
+        out = Sampler().sample(logits, [banned, plain], [make_generator(step, "cpu"), None])
+        assert out.token_ids[0] != favourite
+        assert out.token_ids[1] == int(logits[1].argmax())
+
+
 def test_mismatched_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="one row per params"):
         Sampler().sample(_logits(2), [SamplingParams()], [None])
@@ -134,6 +170,11 @@ def test_mismatched_inputs_are_refused() -> None:
         ({"stop": ("",)}, "stop"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
         ({"max_tokens": True}, "max_tokens"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": float("inf")}, "frequency_penalty"),
+        ({"logit_bias": {3: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-3: 1.0}}, "logit_bias"),
+        ({"logit_bias": ((3, 1.0), (3, 2.0))}, "logit_bias"),
     ],
 )
 def test_invalid_params_name_the_field(kwargs: dict[str, Any], field: str) -> None:

@@ -167,6 +167,31 @@ def test_completion_logprobs_line_up_with_the_text(served_apps: ServedApps,
         assert value <= 0 and 1 <= len(top) <= 2 and max(top.values()) == value
 
 
+@pytest.mark.parametrize("app", ["disagg", "colo"])
+def test_penalties_and_logit_bias_apply_on_both_workers(served_apps: ServedApps, reference,
+                                                        tiny_checkpoints, app: str) -> None:
+    """A negative frequency penalty (the tiny model's greedy text changes with it) gives the
+    in-process engine's text; a +100 bias forces its token from the first one on, which the
+    prefill worker samples on the disaggregated path."""
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    c = client(served_apps, app)
+    forced = engine.tokenizer.encode(" ok")[0]
+    for conv in conversations()[:2]:
+        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conv))
+        [want] = engine.generate([ids], SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, frequency_penalty=-2.0))
+        penalized = c.chat.completions.create(
+            model="tiny", messages=conv, max_tokens=MAX_TOKENS, temperature=0,
+            frequency_penalty=-2.0, extra_body={"ignore_eos": True})
+        assert penalized.choices[0].message.content == engine.tokenizer.decode(want)
+        assert penalized.choices[0].message.content != reference[json.dumps(conv)][0]
+        biased = c.chat.completions.create(
+            model="tiny", messages=conv, max_tokens=4, temperature=0.7, seed=1,
+            logit_bias={str(forced): 100}, extra_body={"ignore_eos": True})
+        assert biased.choices[0].message.content == engine.tokenizer.decode([forced] * 4)
+    served_apps.wait_all_free(app)
+
+
 def decode_handoff_counts(app: str) -> tuple[int, int]:
     """(pieces read from a prefill cache, transfers announced in a read slot) so far."""
     from ray import serve
@@ -235,6 +260,8 @@ BAD_BODIES = [
                 ).encode(), 404),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}
                 ).encode(), 400),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "logit_bias": {"999999": 5}}).encode(), 400),  # beyond the vocabulary (engine)
 ]
 
 

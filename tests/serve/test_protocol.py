@@ -68,11 +68,13 @@ def test_all_sampling_fields_reach_the_engine() -> None:
     req = parse_request(ChatCompletionRequest, json.dumps(chat(
         max_tokens=5, max_completion_tokens=9, temperature=0, top_p=0.5, top_k=40, seed=7,
         stop=["\n\n", "END"], stop_token_ids=[2], ignore_eos=True, logprobs=True,
-        top_logprobs=3, user="u")))
+        top_logprobs=3, user="u", presence_penalty=0.5, frequency_penalty=-1.5,
+        logit_bias={"17": -100, "5": 2.5})))
     params = to_sampling_params(req, default_max_tokens=100)
     assert params == SamplingParams(max_tokens=9, temperature=0.0, top_p=0.5, top_k=40, seed=7,
                                     stop=("\n\n", "END"), stop_token_ids=(2,), ignore_eos=True,
-                                    logprobs=3)
+                                    logprobs=3, presence_penalty=0.5, frequency_penalty=-1.5,
+                                    logit_bias=((17, -100.0), (5, 2.5)))
     assert params.is_greedy
 
 
@@ -116,8 +118,11 @@ def test_include_usage_needs_stream() -> None:
     (chat(stop=["a", 1]), ("stop", 1), "valid string"),
     (chat(top_logprobs=2), ("top_logprobs",), "requires logprobs: true"),
     (chat(logprobs=True, top_logprobs=21), ("top_logprobs",), "less than or equal to 20"),
-    (chat(presence_penalty=0.5), ("presence_penalty",), "not supported"),
-    (chat(logit_bias={"1": 5}), ("logit_bias",), "not supported"),
+    (chat(presence_penalty=2.5), ("presence_penalty",), "less than or equal to 2"),
+    (chat(frequency_penalty=-3), ("frequency_penalty",), "greater than or equal to -2"),
+    (chat(logit_bias={"x1": 5}), ("logit_bias",), "keys are token ids"),
+    (chat(logit_bias={"1": 101}), ("logit_bias",), "must be in [-100.0, 100.0]"),
+    (chat(logit_bias={"1": "big"}), ("logit_bias", "1"), "valid number"),
     (chat(tools=[{"type": "function"}]), ("tools",), "not supported"),
     (chat(seed=2**70), ("seed",), "less than or equal to"),
 ])
