@@ -9,16 +9,24 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.log import configure_logging
 from pdserve.router.admission import AdmissionGate
+from pdserve.router.choices import (
+    ChoiceOutcome,
+    ChoiceRun,
+    choice_params,
+    choice_request_id,
+    gather_or_cancel,
+    merged,
+)
 from pdserve.router.errors import ModelNotFoundError, RequestTimeoutError
 from pdserve.router.http_errors import install_error_handlers
 from pdserve.router.logprobs import LogprobsFormatter
@@ -70,17 +78,6 @@ class IngressSettings:
     pipeline: PipelineSettings
 
 
-@dataclass
-class _Outcome:
-    text: str = ""
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    finish_reason: str = "stop"
-    first_token_at: float = 0.0
-    last_token_at: float = 0.0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
 class Ingress:
     """One ingress replica: tokenizer, pipeline, admission gate and metrics."""
 
@@ -123,74 +120,100 @@ class Ingress:
         trace.update(tokenize_ms=trace.ms_since_start())
         max_tokens = resolve_max_tokens(req, len(ids), self.settings.max_model_len)
         params = to_sampling_params(req, max_tokens)
-        self.admission.admit()
-        outcome = _Outcome()
-        deltas = self.pipeline.generate(rid, ids, params, trace)
-        try:
-            first = await self._next(deltas, trace)  # errors before token 1 keep their status
+        self.admission.admit(req.n)
+        runs = []
+        for index in range(req.n):
+            choice_trace = trace if index == 0 else RequestTrace(
+                choice_request_id(rid, index, req.n), started=trace.started)
+            choice_trace.update(request_id=choice_request_id(rid, index, req.n),
+                                tokenize_ms=trace.timings.tokenize_ms)
+            deltas = self.pipeline.generate(choice_trace.timings.request_id, ids,
+                                            choice_params(params, index), choice_trace)
+            runs.append(ChoiceRun(index, choice_trace, deltas))
+        try:  # errors before every choice's first token keep their HTTP status
+            firsts = await gather_or_cancel([self._next(run.deltas, run.trace) for run in runs])
         except BaseException:
-            self._finish(trace, outcome, "error")
+            await self._end_all(runs, "error")
             raise
+        for run, first in zip(runs, firsts, strict=True):
+            run.outcome.record(first, time.monotonic())
         if req.stream:
-            return StreamingResponse(self._sse(req, rid, trace, first, deltas, outcome, chat),
+            return StreamingResponse(self._sse(req, rid, runs, firsts, len(ids), chat),
                                      media_type=SSE_MEDIA_TYPE)
         try:
-            self._record(outcome, first)
-            async for delta in self._timed(deltas, trace):
-                self._record(outcome, delta)
+            await gather_or_cancel([self._drain(run) for run in runs])
         except BaseException:
-            self._finish(trace, outcome, "error")
+            await self._end_all(runs, "error")
             raise
-        self._finish(trace, outcome, "ok")
-        usage = Usage.from_counts(len(ids), outcome.num_output_tokens, outcome.num_cached_tokens)
+        await self._end_all(runs, "ok")
+        return JSONResponse(self._response(req, rid, runs, len(ids), chat))
+
+    def _response(self, req: ChatCompletionRequest | CompletionRequest, rid: str,
+                  runs: list[ChoiceRun], num_prompt_tokens: int, chat: bool) -> dict[str, Any]:
+        usage = _usage(runs, num_prompt_tokens)
         model, created = self.settings.served_model_name, unix_time()
-        logprobs = (LogprobsFormatter(self.tokenizer)
-                    if req.requested_logprobs() is not None else None)
+        wants_logprobs = req.requested_logprobs() is not None
         if chat:
-            choice = ChatCompletionChoice(
-                message=AssistantMessage(content=outcome.text), finish_reason=outcome.finish_reason,
-                logprobs=logprobs.chat(outcome.logprobs) if logprobs else None)
-            return JSONResponse(ChatCompletionResponse(
-                id=rid, created=created, model=model, choices=[choice], usage=usage
-            ).model_dump(mode="json"))
-        choice_c = CompletionChoice(
-            text=outcome.text, finish_reason=outcome.finish_reason,
-            logprobs=logprobs.completion(outcome.logprobs) if logprobs else None)
-        return JSONResponse(CompletionResponse(
-            id=rid, created=created, model=model, choices=[choice_c], usage=usage
-        ).model_dump(mode="json"))
+            choices = [ChatCompletionChoice(
+                index=run.index, message=AssistantMessage(content=run.outcome.text),
+                finish_reason=run.outcome.finish_reason,  # type: ignore[arg-type]
+                logprobs=(LogprobsFormatter(self.tokenizer).chat(run.outcome.logprobs)
+                          if wants_logprobs else None)) for run in runs]
+            return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
+                                          usage=usage).model_dump(mode="json")
+        texts = [CompletionChoice(
+            index=run.index, text=run.outcome.text,
+            finish_reason=run.outcome.finish_reason,  # type: ignore[arg-type]
+            logprobs=(LogprobsFormatter(self.tokenizer).completion(run.outcome.logprobs)
+                      if wants_logprobs else None)) for run in runs]
+        return CompletionResponse(id=rid, created=created, model=model, choices=texts,
+                                  usage=usage).model_dump(mode="json")
 
     async def _sse(self, req: ChatCompletionRequest | CompletionRequest, rid: str,
-                   trace: RequestTrace, first: GenerationDelta,
-                   deltas: AsyncIterator[GenerationDelta], outcome: _Outcome,
+                   runs: list[ChoiceRun], firsts: list[GenerationDelta], num_prompt_tokens: int,
                    chat: bool) -> AsyncIterator[str]:
         model, created = self.settings.served_model_name, unix_time()
-        fmt: ChatStreamFormatter | CompletionStreamFormatter
-        if chat:
-            fmt = ChatStreamFormatter(rid, model, created, req.include_usage)
-            yield fmt.first()
-        else:
-            fmt = CompletionStreamFormatter(rid, model, created, req.include_usage)
-        logprobs = (LogprobsFormatter(self.tokenizer)
-                    if req.requested_logprobs() is not None else None)
+        fmt: ChatStreamFormatter | CompletionStreamFormatter = (
+            ChatStreamFormatter(rid, model, created, req.include_usage) if chat else
+            CompletionStreamFormatter(rid, model, created, req.include_usage))
+        # One per choice: the completions' text offsets count on within a choice.
+        logprobs = [LogprobsFormatter(self.tokenizer) if req.requested_logprobs() is not None
+                    else None for _ in runs]
         status = "cancelled"
         try:
-            self._record(outcome, first)
-            yield _delta_event(fmt, first, logprobs)
-            async for delta in self._timed(deltas, trace):
-                self._record(outcome, delta)
-                yield _delta_event(fmt, delta, logprobs)
-            usage = Usage.from_counts(trace.timings.num_prompt_tokens, outcome.num_output_tokens,
-                                      outcome.num_cached_tokens)
+            for run, first in zip(runs, firsts, strict=True):
+                if isinstance(fmt, ChatStreamFormatter):
+                    yield fmt.first(run.index)
+                yield _delta_event(fmt, run.index, first, logprobs[run.index])
+            streams = [self._timed(run.deltas, run.trace) for run in runs]
+            async with aclosing(merged(streams)) as arrivals:
+                async for index, delta in arrivals:
+                    run = runs[index]
+                    if delta is None:
+                        yield fmt.finish(run.outcome.finish_reason, index)  # type: ignore[arg-type]
+                        continue
+                    run.outcome.record(delta, time.monotonic())
+                    yield _delta_event(fmt, index, delta, logprobs[index])
             status = "ok"
-            yield fmt.finish(outcome.finish_reason, usage)  # type: ignore[arg-type]
+            yield fmt.end(_usage(runs, num_prompt_tokens))
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             status = "error"
             logger.warning("request %s failed mid-stream: %s", rid, exc)
             yield error_event(exc) + DONE_EVENT
         finally:
-            await deltas.aclose()
-            self._finish(trace, outcome, status)
+            await self._end_all(runs, status)
+
+    async def _drain(self, run: ChoiceRun) -> None:
+        async for delta in self._timed(run.deltas, run.trace):
+            run.outcome.record(delta, time.monotonic())
+
+    async def _end_all(self, runs: list[ChoiceRun], status: str) -> None:
+        """End every choice not ended yet: close its stream (the workers stop), log it."""
+        for run in runs:
+            if run.status is None:
+                run.status = status
+                await run.deltas.aclose()
+                self._finish(run.trace, run.outcome, status)
 
     async def _next(self, deltas: AsyncIterator[GenerationDelta],
                     trace: RequestTrace) -> GenerationDelta:
@@ -213,21 +236,7 @@ class Ingress:
         except TimeoutError as exc:
             raise RequestTimeoutError(self.settings.request_timeout_s, "generation") from exc
 
-    @staticmethod
-    def _record(outcome: _Outcome, delta: GenerationDelta) -> None:
-        now = time.monotonic()
-        if delta.token_ids:
-            if outcome.num_output_tokens == 0:
-                outcome.first_token_at = now
-            outcome.last_token_at = now
-        outcome.text += delta.text
-        outcome.logprobs += delta.logprobs
-        outcome.num_output_tokens += len(delta.token_ids)
-        outcome.num_cached_tokens = max(outcome.num_cached_tokens, delta.num_cached_tokens)
-        if delta.finished and delta.finish_reason:
-            outcome.finish_reason = delta.finish_reason
-
-    def _finish(self, trace: RequestTrace, outcome: _Outcome, status: str) -> None:
+    def _finish(self, trace: RequestTrace, outcome: ChoiceOutcome, status: str) -> None:
         self.admission.leave()
         trace.update(
             status=status, finish_reason=outcome.finish_reason if status == "ok" else None,
@@ -248,15 +257,22 @@ class Ingress:
         return stats
 
 
-def _delta_event(fmt: ChatStreamFormatter | CompletionStreamFormatter, delta: GenerationDelta,
-                 logprobs: LogprobsFormatter | None) -> str:
-    """The chunk for one delta: its text, and its tokens' logprobs when asked for (a chunk of
-    no text still carries those: the detokenizer may hold a partial character back)."""
+def _delta_event(fmt: ChatStreamFormatter | CompletionStreamFormatter, index: int,
+                 delta: GenerationDelta, logprobs: LogprobsFormatter | None) -> str:
+    """The chunk for one delta of choice ``index``: its text, and its tokens' logprobs when
+    asked for (a chunk of no text still carries those: the detokenizer may hold a partial
+    character back)."""
     if logprobs is not None and delta.logprobs:
         if isinstance(fmt, ChatStreamFormatter):
-            return fmt.delta(delta.text, logprobs.chat(delta.logprobs))
-        return fmt.delta(delta.text, logprobs.completion(delta.logprobs))
-    return fmt.delta(delta.text) if delta.text else ""
+            return fmt.delta(delta.text, logprobs.chat(delta.logprobs), index)
+        return fmt.delta(delta.text, logprobs.completion(delta.logprobs), index)
+    return fmt.delta(delta.text, index=index) if delta.text else ""
+
+
+def _usage(runs: list[ChoiceRun], num_prompt_tokens: int) -> Usage:
+    """The prompt counts once, whatever ``n``; completion tokens add up over the choices."""
+    return Usage.from_counts(num_prompt_tokens, sum(r.outcome.num_output_tokens for r in runs),
+                             max(r.outcome.num_cached_tokens for r in runs))
 
 
 def build_app(ingress: Ingress) -> FastAPI:

@@ -42,8 +42,8 @@ class GenerationDelta:
 class RequestTrace:
     """The request's timings as they fill in; frozen `RequestTimings` underneath."""
 
-    def __init__(self, request_id: str) -> None:
-        self.started = time.monotonic()
+    def __init__(self, request_id: str, started: float | None = None) -> None:
+        self.started = time.monotonic() if started is None else started
         self.timings = RequestTimings(request_id=request_id)
 
     def update(self, **changes: Any) -> None:

@@ -51,6 +51,8 @@ __all__ = [
 ]
 
 MAX_STOP_SEQUENCES = 4
+# Choices per request: each is a whole generation (the admission gate counts all of them).
+MAX_CHOICES = 16
 # OpenAI's default for legacy completions without max_tokens; chat defaults to all room left.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Legacy completions allow at most 5 alternatives per token.
@@ -108,7 +110,7 @@ class _SamplingRequest(_Request):
     seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="Reproducible sampling.")
     stop: list[str] | None = Field(None, description="Up to 4 stop strings (or one string).")
     stop_token_ids: list[int] | None = Field(None, description="Extension: stop on these ids.")
-    n: int = Field(1, description="Choices per request; only 1 is supported.")
+    n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate for the prompt.")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
@@ -135,15 +137,6 @@ class _SamplingRequest(_Request):
                 raise ValueError("stop sequences must not be empty strings")
         elif value is not None:
             raise ValueError("stop must be a string or a list of strings")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value > 1:
-            raise ValueError("n > 1 is not supported; send one request per completion")
-        if value < 1:
-            raise ValueError(f"n must be 1, got {value}")
         return value
 
     @field_validator("logit_bias")

@@ -1,6 +1,8 @@
 """Server-sent-event framing of OpenAI streams: ``data: {json}\\n\\n`` chunks, then ``[DONE]``.
 
-A stream is: first chunk, text chunks, a finish chunk, the usage chunk if asked, ``[DONE]``.
+A stream is: per choice a first chunk (chat), text chunks and a finish chunk, the choices'
+chunks interleaved as they come (each names its ``index``); then the usage chunk if asked
+and ``[DONE]``.
 A failure mid-stream sends `error_event` (an OpenAI error body; clients raise on it), then
 ``[DONE]``; the HTTP status is already 200 by then, so the body carries the error.
 """
@@ -61,11 +63,11 @@ class ChatStreamFormatter:
     created: int
     include_usage: bool = False
 
-    def _event(self, delta: DeltaMessage, finish_reason: FinishReason | None = None,
+    def _event(self, delta: DeltaMessage, index: int, finish_reason: FinishReason | None = None,
                logprobs: ChoiceLogprobs | None = None) -> str:
         chunk = ChatCompletionChunk(
             id=self.request_id, created=self.created, model=self.model,
-            choices=[ChatCompletionChunkChoice(delta=delta, logprobs=logprobs,
+            choices=[ChatCompletionChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                                finish_reason=finish_reason)])
         data = chunk.model_dump(mode="json")
         # Deltas carry only what changed; OpenAI sends `usage: null` only when usage was asked.
@@ -75,21 +77,24 @@ class ChatStreamFormatter:
             del data["usage"]
         return sse_event(data)
 
-    def first(self) -> str:
-        """The opening chunk: the assistant role, empty content."""
-        return self._event(DeltaMessage(role="assistant", content=""))
+    def first(self, index: int = 0) -> str:
+        """A choice's opening chunk: the assistant role, empty content."""
+        return self._event(DeltaMessage(role="assistant", content=""), index)
 
-    def delta(self, text: str, logprobs: ChoiceLogprobs | None = None) -> str:
-        return self._event(DeltaMessage(content=text), logprobs=logprobs)
+    def delta(self, text: str, logprobs: ChoiceLogprobs | None = None, index: int = 0) -> str:
+        return self._event(DeltaMessage(content=text), index, logprobs=logprobs)
 
-    def finish(self, finish_reason: FinishReason, usage: Usage) -> str:
-        """The finish chunk, the usage chunk when asked for, and ``[DONE]``."""
-        events = self._event(DeltaMessage(), finish_reason=finish_reason)
-        if self.include_usage:
-            chunk = ChatCompletionChunk(id=self.request_id, created=self.created,
-                                        model=self.model, choices=[], usage=usage)
-            events += sse_event(chunk)
-        return events + DONE_EVENT
+    def finish(self, finish_reason: FinishReason, index: int = 0) -> str:
+        """A choice's finish chunk."""
+        return self._event(DeltaMessage(), index, finish_reason=finish_reason)
+
+    def end(self, usage: Usage) -> str:
+        """The usage chunk when asked for, and ``[DONE]``."""
+        if not self.include_usage:
+            return DONE_EVENT
+        chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
+                                    choices=[], usage=usage)
+        return sse_event(chunk) + DONE_EVENT
 
 
 @dataclass(frozen=True)
@@ -109,12 +114,14 @@ class CompletionStreamFormatter:
             del data["usage"]
         return sse_event(data)
 
-    def delta(self, text: str, logprobs: CompletionLogprobs | None = None) -> str:
-        return self._event([CompletionChoice(text=text, logprobs=logprobs)])
+    def delta(self, text: str, logprobs: CompletionLogprobs | None = None,
+              index: int = 0) -> str:
+        return self._event([CompletionChoice(index=index, text=text, logprobs=logprobs)])
 
-    def finish(self, finish_reason: FinishReason, usage: Usage) -> str:
-        """The finish chunk, the usage chunk when asked for, and ``[DONE]``."""
-        events = self._event([CompletionChoice(text="", finish_reason=finish_reason)])
-        if self.include_usage:
-            events += self._event([], usage=usage)
-        return events + DONE_EVENT
+    def finish(self, finish_reason: FinishReason, index: int = 0) -> str:
+        """A choice's finish chunk."""
+        return self._event([CompletionChoice(index=index, text="", finish_reason=finish_reason)])
+
+    def end(self, usage: Usage) -> str:
+        """The usage chunk when asked for, and ``[DONE]``."""
+        return (self._event([], usage=usage) if self.include_usage else "") + DONE_EVENT

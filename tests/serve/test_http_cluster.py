@@ -192,6 +192,40 @@ def test_penalties_and_logit_bias_apply_on_both_workers(served_apps: ServedApps,
     served_apps.wait_all_free(app)
 
 
+@pytest.mark.parametrize("app", ["disagg", "colo"])
+def test_n_choices_each_reproduce_their_seed_streamed_or_not(served_apps: ServedApps,
+                                                              tiny_checkpoints, app: str) -> None:
+    """n=3 sampled choices of the long (disaggregated) conversation: choice i is the engine's
+    generation with seed 7+i; the stream interleaves the same three texts by index."""
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    conv = conversations()[1]
+    ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conv))
+    want = [engine.tokenizer.decode(tokens) for tokens in engine.generate([ids] * 3, [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7 + i, ignore_eos=True)
+        for i in range(3)])]
+    assert len(set(want)) == 3  # else the seeds would prove nothing
+    c = client(served_apps, app)
+    kwargs = dict(model="tiny", messages=conv, max_tokens=MAX_TOKENS, temperature=1.0, seed=7,
+                  n=3, extra_body={"ignore_eos": True})
+    resp = c.chat.completions.create(**kwargs)
+    assert [ch.index for ch in resp.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in resp.choices] == want
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.usage.completion_tokens == 3 * MAX_TOKENS
+    texts, finished, usage = ["", "", ""], [], None
+    for chunk in c.chat.completions.create(**kwargs, stream=True,
+                                           stream_options={"include_usage": True}):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.append((choice.index, choice.finish_reason))
+        usage = chunk.usage or usage
+    assert texts == want
+    assert sorted(finished) == [(0, "length"), (1, "length"), (2, "length")]
+    assert usage is not None and usage.completion_tokens == 3 * MAX_TOKENS
+    served_apps.wait_all_free(app)
+
+
 def decode_handoff_counts(app: str) -> tuple[int, int]:
     """(pieces read from a prefill cache, transfers announced in a read slot) so far."""
     from ray import serve
@@ -228,10 +262,11 @@ def test_32_concurrent_streams_complete_and_release_blocks(served_apps: ServedAp
     served_apps.wait_all_free("disagg")
 
 
-@pytest.mark.parametrize("app", ["disagg", "colo"])
-def test_client_disconnect_mid_stream_releases_blocks(served_apps: ServedApps, app: str) -> None:
+@pytest.mark.parametrize(("app", "n"), [("disagg", 1), ("colo", 1), ("disagg", 3)])
+def test_client_disconnect_mid_stream_releases_blocks(served_apps: ServedApps, app: str,
+                                                      n: int) -> None:
     before = served_apps.kv_stats(app)["decode"]["num_aborted"]
-    body = {"model": "tiny", "stream": True, "max_tokens": 1500, "temperature": 0,
+    body = {"model": "tiny", "stream": True, "max_tokens": 1500, "temperature": 0, "n": n,
             "ignore_eos": True, "messages": [{"role": "user", "content": SHARED_SYSTEM}]}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", f"{served_apps.url(app)}/v1/chat/completions", json=body) as r:
@@ -242,8 +277,8 @@ def test_client_disconnect_mid_stream_releases_blocks(served_apps: ServedApps, a
                 if chunks >= 4:
                     break  # leave mid-stream: closing the response drops the connection
     served_apps.wait_all_free(app)
-    # The decode engine aborted the request, rather than running it to its 1500 tokens.
-    assert served_apps.kv_stats(app)["decode"]["num_aborted"] == before + 1
+    # The decode engine aborted every choice, rather than running them to 1500 tokens.
+    assert served_apps.kv_stats(app)["decode"]["num_aborted"] == before + n
 
 
 BAD_BODIES = [
@@ -258,7 +293,7 @@ BAD_BODIES = [
                 ).encode(), 400),  # prompt longer than the context
     (json.dumps({"model": "gpt-unknown", "messages": [{"role": "user", "content": "x"}]}
                 ).encode(), 404),
-    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 2}
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 17}
                 ).encode(), 400),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                  "logit_bias": {"999999": 5}}).encode(), 400),  # beyond the vocabulary (engine)

@@ -100,8 +100,8 @@ def test_missing_messages_names_the_param(client: TestClient) -> None:
      "max_tokens", "greater than or equal to 1"),
     ({"messages": [{"role": "user", "content": 3}], "model": SERVED},
      "messages.0.content", "content must be a string"),
-    ({"messages": [{"role": "user", "content": "x"}], "model": SERVED, "n": 3},
-     "n", "n > 1 is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": SERVED, "n": 17},
+     "n", "less than or equal to 16"),
     ({"messages": [{"role": "user", "content": "x"}], "model": SERVED, "temperature": "1"},
      "temperature", "valid number"),
 ])
@@ -189,8 +189,8 @@ def test_openai_client_raises_the_matching_exceptions(client: TestClient) -> Non
         oai.chat.completions.create(model="gpt-9", messages=messages)  # type: ignore[arg-type]
     assert not_found.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError) as bad:
-        oai.chat.completions.create(model=SERVED, messages=messages, n=2)  # type: ignore[arg-type]
-    assert "n > 1 is not supported" in bad.value.message
+        oai.chat.completions.create(model=SERVED, messages=messages, n=0)  # type: ignore[arg-type]
+    assert "greater than or equal to 1" in bad.value.message
 
 
 def test_ray_wrapped_errors_are_unwrapped() -> None:

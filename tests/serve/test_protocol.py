@@ -110,8 +110,8 @@ def test_include_usage_needs_stream() -> None:
     (chat(temperature="hot"), ("temperature",), "valid number"),
     (chat(top_p=0), ("top_p",), "greater than 0"),
     (chat(stream="yes"), ("stream",), "valid boolean"),
-    (chat(n=2), ("n",), "n > 1 is not supported"),
-    (chat(n=0), ("n",), "n must be 1"),
+    (chat(n=17), ("n",), "less than or equal to 16"),
+    (chat(n=0), ("n",), "greater than or equal to 1"),
     (chat(stop=["a", "b", "c", "d", "e"]), ("stop",), "at most 4 sequences, got 5"),
     (chat(stop=[""]), ("stop",), "must not be empty"),
     (chat(stop=7), ("stop",), "stop must be a string or a list"),
@@ -157,7 +157,7 @@ def test_completion_prompt_validation(prompt: Any, fragment: str) -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [("echo", True), ("best_of", 3), ("suffix", "x"),
-                                              ("logprobs", 6), ("n", 4)])
+                                              ("logprobs", 6), ("n", 17)])
 def test_completion_unsupported_fields(field: str, value: Any) -> None:
     errors = errors_of(CompletionRequest, {"model": "m", "prompt": "x", field: value})
     assert [loc for loc, _ in errors] == [(field,)]

@@ -41,7 +41,7 @@ def chat_stream(fmt: ChatStreamFormatter, fail: bool = False) -> Iterator[str]:
         yield error_event(ServiceUnavailableError("decode worker died"))
         yield DONE_EVENT
         return
-    yield fmt.finish("stop", Usage.from_counts(7, len(PIECES), num_cached_tokens=4))
+    yield fmt.finish("stop") + fmt.end(Usage.from_counts(7, len(PIECES), num_cached_tokens=4))
 
 
 def test_event_framing() -> None:
@@ -80,7 +80,8 @@ def test_chat_stream_without_usage_has_no_usage_key() -> None:
 
 def test_completion_stream_round_trip() -> None:
     fmt = CompletionStreamFormatter("cmpl-x", "tiny", 5, include_usage=True)
-    body = "".join([fmt.delta(p) for p in PIECES]) + fmt.finish("length", Usage.from_counts(3, 4))
+    body = "".join([fmt.delta(p) for p in PIECES]) + fmt.finish("length") + fmt.end(
+        Usage.from_counts(3, 4))
     payloads = split_sse_data(body)
     assert payloads[-1] == "[DONE]"
     chunks = [json.loads(p) for p in payloads[:-1]]
@@ -116,7 +117,8 @@ def make_app() -> FastAPI:
     async def completions(request: Request) -> StreamingResponse:
         req = parse_request(CompletionRequest, await request.body())
         fmt = CompletionStreamFormatter("cmpl-t", req.model, 9, include_usage=req.include_usage)
-        body = [fmt.delta(p) for p in PIECES] + [fmt.finish("stop", Usage.from_counts(2, 4))]
+        body = [fmt.delta(p) for p in PIECES]
+        body += [fmt.finish("stop") + fmt.end(Usage.from_counts(2, 4))]
         return StreamingResponse(iter(body), media_type=SSE_MEDIA_TYPE)
 
     return app
