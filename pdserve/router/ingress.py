@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.log import configure_logging
 from pdserve.router.admission import AdmissionGate
@@ -121,15 +122,7 @@ class Ingress:
         max_tokens = resolve_max_tokens(req, len(ids), self.settings.max_model_len)
         params = to_sampling_params(req, max_tokens)
         self.admission.admit(req.n)
-        runs = []
-        for index in range(req.n):
-            choice_trace = trace if index == 0 else RequestTrace(
-                choice_request_id(rid, index, req.n), started=trace.started)
-            choice_trace.update(request_id=choice_request_id(rid, index, req.n),
-                                tokenize_ms=trace.timings.tokenize_ms)
-            deltas = self.pipeline.generate(choice_trace.timings.request_id, ids,
-                                            choice_params(params, index), choice_trace)
-            runs.append(ChoiceRun(index, choice_trace, deltas))
+        runs = self._start_choices(trace, ids, params, req.n)
         try:  # errors before every choice's first token keep their HTTP status
             firsts = await gather_or_cancel([self._next(run.deltas, run.trace) for run in runs])
         except BaseException:
@@ -147,6 +140,20 @@ class Ingress:
             raise
         await self._end_all(runs, "ok")
         return JSONResponse(self._response(req, rid, runs, len(ids), chat))
+
+    def _start_choices(self, trace: RequestTrace, ids: list[int], params: SamplingParams,
+                       num_choices: int) -> list[ChoiceRun]:
+        """One pipeline run per choice, each traced (and logged) on its own; the first keeps
+        the request's trace, all count from the request's arrival."""
+        runs, base_id = [], trace.timings.request_id
+        for index in range(num_choices):
+            request_id = choice_request_id(base_id, index, num_choices)
+            choice_trace = trace if index == 0 else RequestTrace(request_id, trace.started)
+            choice_trace.update(request_id=request_id, tokenize_ms=trace.timings.tokenize_ms)
+            deltas = self.pipeline.generate(request_id, ids, choice_params(params, index),
+                                            choice_trace)
+            runs.append(ChoiceRun(index, choice_trace, deltas))
+        return runs
 
     def _response(self, req: ChatCompletionRequest | CompletionRequest, rid: str,
                   runs: list[ChoiceRun], num_prompt_tokens: int, chat: bool) -> dict[str, Any]:

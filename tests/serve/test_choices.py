@@ -4,6 +4,7 @@ asyncio helpers that run them side by side (merged streams, gather that cancels)
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import pytest
@@ -13,6 +14,8 @@ from pdserve.engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.choices import choice_params, gather_or_cancel, merged
 from pdserve.router.errors import OverloadedError
+from pdserve.router.ingress import Ingress, IngressSettings
+from pdserve.router.pipeline import GenerationDelta, PipelineSettings, RequestTrace
 
 
 def test_choice_seeds_move_on_by_the_index_and_wrap() -> None:
@@ -104,3 +107,30 @@ def test_gather_or_cancel_cancels_the_rest_on_a_failure() -> None:
         return cancelled
 
     assert asyncio.run(run()) == ["waits"]
+
+
+class _RecordingPipeline:
+    """Stands in for the workers: each choice yields one token and finishes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int | None]] = []
+
+    async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
+                       trace: RequestTrace) -> AsyncIterator[GenerationDelta]:
+        self.calls.append((request_id, params.seed))
+        trace.update(path="colocated", num_prompt_tokens=len(ids))
+        yield GenerationDelta(f"<{request_id}>", [1], finished=True, finish_reason="length")
+
+
+def test_each_choice_runs_under_its_own_id_and_seed(tiny_checkpoints: dict[str, str]) -> None:
+    settings = IngressSettings(tiny_checkpoints["llama"], "tiny", 256, 8, 30.0,
+                               PipelineSettings("colocated", 16))
+    ingress = Ingress(decode=None, prefill=None, settings=settings)
+    pipeline = ingress.pipeline = _RecordingPipeline()  # type: ignore[assignment]
+    body = json.dumps({"model": "tiny", "prompt": "hi", "n": 3, "seed": 5, "max_tokens": 1})
+    response = asyncio.run(ingress.completion(body.encode()))
+    data = json.loads(bytes(response.body))
+    rid = data["id"]
+    assert pipeline.calls == [(f"{rid}-0", 5), (f"{rid}-1", 6), (f"{rid}-2", 7)]
+    assert [c["text"] for c in data["choices"]] == [f"<{rid}-{i}>" for i in range(3)]
+    assert data["usage"]["completion_tokens"] == 3 and ingress.admission.num_in_flight == 0
