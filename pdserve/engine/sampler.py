@@ -103,20 +103,33 @@ def _penalize_and_bias(logits: torch.Tensor, params: list[SamplingParams],
                        output_ids: Sequence[Sequence[int]] | None,
                        rows: list[int]) -> torch.Tensor:
     """A copy of ``logits`` with each of ``rows`` lowered by its penalties for the tokens it
-    generated so far (presence once, frequency per occurrence) and raised by its bias."""
+    generated so far (presence once, frequency per occurrence) and raised by its bias: one
+    scatter for all rows' counts, one for all biases, whatever the batch."""
     logits = logits.clone()
-    vocab = logits.shape[1]
-    for row in rows:
-        p = params[row]
-        generated = output_ids[row] if output_ids is not None else ()
-        if generated and (p.presence_penalty or p.frequency_penalty):
-            ids = torch.tensor(generated, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(logits.dtype)
-            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-        if p.logit_bias:
-            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
-            bias = torch.tensor([b for _, b in p.logit_bias], device=logits.device)
-            logits[row].index_add_(0, ids, bias.to(logits.dtype))
+    device, vocab = logits.device, logits.shape[1]
+    penalized = [r for r in rows if output_ids is not None and len(output_ids[r])
+                 and (params[r].presence_penalty or params[r].frequency_penalty)]
+    if penalized:
+        assert output_ids is not None
+        lengths = torch.tensor([len(output_ids[r]) for r in penalized], device=device)
+        generated = torch.tensor([t for r in penalized for t in output_ids[r]], device=device)
+        owner = torch.repeat_interleave(torch.arange(len(penalized), device=device), lengths)
+        counts = torch.zeros(len(penalized), vocab, dtype=logits.dtype, device=device)
+        counts.index_put_((owner, generated), torch.ones_like(generated, dtype=logits.dtype),
+                          accumulate=True)
+        frequency, presence = (torch.tensor([getattr(params[r], name) for r in penalized],
+                                            dtype=logits.dtype, device=device).unsqueeze(1)
+                               for name in ("frequency_penalty", "presence_penalty"))
+        index = torch.tensor(penalized, device=device)
+        penalty = frequency * counts + presence * (counts > 0)
+        logits.index_copy_(0, index, logits.index_select(0, index) - penalty)
+    biases = [(r, token, bias) for r in rows for token, bias in params[r].logit_bias]
+    if biases:
+        row_ids, token_ids, values = zip(*biases, strict=True)
+        logits.index_put_((torch.tensor(row_ids, device=device),
+                           torch.tensor(token_ids, device=device)),
+                          torch.tensor(values, dtype=logits.dtype, device=device),
+                          accumulate=True)
     return logits
 
 

@@ -140,6 +140,27 @@ def test_penalties_count_generated_tokens_and_bias_adds_to_logits() -> None:
                         rel_tol=1e-6)
 
 
+def test_penalties_and_biases_of_a_whole_batch_match_row_by_row_arithmetic() -> None:
+    logits = _logits(5, seed=3)
+    top = logits.argmax(dim=-1).tolist()  # penalize each row's favourite, so choices move
+    generated = [[top[0], top[0], 2], [], [top[2], 5, 5, 7], [top[3]], [top[4], 4]]
+    params = [SamplingParams(temperature=0, frequency_penalty=1.5),
+              SamplingParams(temperature=0, logit_bias={3: 10.0}),
+              SamplingParams(temperature=0, presence_penalty=-2.0, frequency_penalty=0.5,
+                             logit_bias={7: -1.0, 8: 2.5}),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, presence_penalty=2.0, logit_bias={4: 1.0})]
+    expected = logits.clone()
+    for row, (p, ids) in enumerate(zip(params, generated, strict=True)):
+        for token in set(ids):
+            expected[row, token] -= p.frequency_penalty * ids.count(token) + p.presence_penalty
+        for token, bias in p.logit_bias:
+            expected[row, token] += bias
+    out = Sampler().sample(logits, params, [None] * 5, generated)
+    assert out.token_ids == expected.argmax(dim=-1).tolist()
+    assert out.token_ids != logits.argmax(dim=-1).tolist()  # the data does move some rows
+
+
 def test_a_banned_token_is_never_drawn_and_neighbours_are_untouched() -> None:
     logits = _logits(2)
     favourite = int(logits[0].argmax())
