@@ -124,7 +124,7 @@ class Ingress:
         self.admission.admit(req.n)
         runs = self._start_choices(trace, ids, params, req.n)
         try:  # errors before every choice's first token keep their HTTP status
-            firsts = await gather_or_cancel([self._next(run.deltas, run.trace) for run in runs])
+            firsts = await self._first_deltas(runs)
         except BaseException:
             await self._end_all(runs, "error")
             raise
@@ -154,6 +154,14 @@ class Ingress:
                                             choice_trace)
             runs.append(ChoiceRun(index, choice_trace, deltas))
         return runs
+
+    async def _first_deltas(self, runs: list[ChoiceRun]) -> list[GenerationDelta]:
+        """Every choice's first delta. The first choice runs alone until then: its prompt's
+        KV is computed and cached, so the other choices reuse it from the prefix caches
+        instead of each computing the whole prompt at the same time."""
+        first = await self._next(runs[0].deltas, runs[0].trace)
+        rest = await gather_or_cancel([self._next(run.deltas, run.trace) for run in runs[1:]])
+        return [first, *rest]
 
     def _response(self, req: ChatCompletionRequest | CompletionRequest, rid: str,
                   runs: list[ChoiceRun], num_prompt_tokens: int, chat: bool) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -195,10 +196,14 @@ def test_penalties_and_logit_bias_apply_on_both_workers(served_apps: ServedApps,
 @pytest.mark.parametrize("app", ["disagg", "colo"])
 def test_n_choices_each_reproduce_their_seed_streamed_or_not(served_apps: ServedApps,
                                                               tiny_checkpoints, app: str) -> None:
-    """n=3 sampled choices of the long (disaggregated) conversation: choice i is the engine's
-    generation with seed 7+i; the stream interleaves the same three texts by index."""
+    """n=3 sampled choices of a long (disaggregated) conversation no earlier request had:
+    choice i is the engine's generation with seed 7+i, the later choices found the first
+    one's prompt KV cached, and the stream interleaves the same three texts by index."""
     engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
-    conv = conversations()[1]
+    # Short enough (~180 tokens) that three prefills started together share the prefill
+    # worker's steps (512 tokens each): none could reuse another's KV (measured: 0 cached).
+    conv = [{"role": "system", "content": f"Request {uuid.uuid4()}. {SHARED_SYSTEM[:200]}"},
+            {"role": "user", "content": "Three takes, please."}]
     ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conv))
     want = [engine.tokenizer.decode(tokens) for tokens in engine.generate([ids] * 3, [
         SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=7 + i, ignore_eos=True)
@@ -212,6 +217,7 @@ def test_n_choices_each_reproduce_their_seed_streamed_or_not(served_apps: Served
     assert [ch.message.content for ch in resp.choices] == want
     assert resp.usage.prompt_tokens == len(ids)
     assert resp.usage.completion_tokens == 3 * MAX_TOKENS
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 16 * (len(ids) // 16) - 16 > 0
     texts, finished, usage = ["", "", ""], [], None
     for chunk in c.chat.completions.create(**kwargs, stream=True,
                                            stream_options={"include_usage": True}):
