@@ -32,7 +32,9 @@ class DecodeRequest:
 class DecodeEvent:
     """One item of a decode stream.
 
-    kind "ticket": blocks are reserved, hand `ticket` to a prefill worker.
+    kind "ticket": blocks are reserved, hand `ticket` to a prefill worker; the decode worker
+    already holds the KV of the prompt's first `num_cached_tokens` (whole blocks), which the
+    ticket does not cover.
     kind "tokens": new output tokens (and their text); the last one has `finished`.
     kind "handoff_failed": the KV never arrived intact; the reservation is already released.
     """

@@ -14,7 +14,7 @@ from typing import Any
 
 from pdserve.decode.api import DecodeCapacityError, DecodeEvent, DecodeRequest
 from pdserve.engine.async_engine import AsyncEngine
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine, ReceivedKVSlots, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
@@ -74,10 +74,12 @@ class DecodeWorker:
         try:
             # Inside the try: a caller that leaves while the reservation is being made must
             # not strand the blocks (abort below frees whatever was reserved).
-            block_ids = await self._reserve(request)
+            slots = await self._reserve(request)
             ticket = self.receiver.reserve(
-                rid, block_ids, self.engine.layout, len(request.prompt_token_ids))
-            yield DecodeEvent(kind="ticket", ticket=ticket.to_dict())
+                rid, slots.block_ids, self.engine.layout,
+                len(request.prompt_token_ids) - slots.num_cached_tokens)
+            yield DecodeEvent(kind="ticket", ticket=ticket.to_dict(),
+                              num_cached_tokens=slots.num_cached_tokens)
             try:
                 fence = await self.receiver.wait_ready_async(rid)
             except HandoffError as exc:
@@ -105,15 +107,16 @@ class DecodeWorker:
                 finished = not self._stop_receiving(rid)
             await self.async_engine.close_stream(rid, abort=not finished)
 
-    async def _reserve(self, request: DecodeRequest) -> list[int]:
-        """Blocks for the prompt's KV, waiting (bounded) while running requests hold them."""
+    async def _reserve(self, request: DecodeRequest) -> ReceivedKVSlots:
+        """Blocks for the prompt's KV (after any prefix this worker still caches), waiting
+        (bounded) while running requests hold them."""
         deadline = time.monotonic() + self.reserve_timeout_s
         delay = 0.005
         while True:
-            block_ids = await self.async_engine.call(lambda: self.engine.reserve_for_received_kv(
+            slots = await self.async_engine.call(lambda: self.engine.reserve_for_received_kv(
                 request.request_id, request.prompt_token_ids, request.sampling_params))
-            if block_ids is not None:
-                return block_ids
+            if slots is not None:
+                return slots
             if time.monotonic() + delay > deadline:
                 raise DecodeCapacityError(
                     f"decode worker found no room for {len(request.prompt_token_ids)} prompt "

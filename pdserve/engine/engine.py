@@ -49,6 +49,15 @@ class RequestOutput:
 
 
 @dataclass(frozen=True)
+class ReceivedKVSlots:
+    """Where a prompt's received KV goes: ``block_ids`` to be filled by the handoff, after
+    the first ``num_cached_tokens`` (whole blocks) this worker already held in its cache."""
+
+    block_ids: list[int]
+    num_cached_tokens: int
+
+
+@dataclass(frozen=True)
 class KVStats:
     """A snapshot of the KV pool and queues: what routers balance on and tests assert."""
 
@@ -152,18 +161,17 @@ class LLMEngine:
 
     def reserve_for_received_kv(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams
-    ) -> list[int] | None:
-        """Decode role: hold blocks for a prompt whose KV will arrive from a prefill worker.
-
-        Returns the block ids the KV must be written into, or None when they do not fit now.
-        """
+    ) -> ReceivedKVSlots | None:
+        """Decode role: hold blocks for a prompt whose KV will arrive from a prefill worker,
+        reusing a prefix this worker holds. None when they do not fit now."""
         request = self._make_request(
             request_id, prompt_token_ids, sampling_params, RequestMode.FROM_RECEIVED_KV
         )
         block_ids = self.scheduler.reserve_for_received_kv(request)
-        if block_ids is not None:
-            self._track(request)
-        return block_ids
+        if block_ids is None:
+            return None
+        self._track(request)
+        return ReceivedKVSlots(block_ids, request.num_cached_tokens)
 
     def activate_received(self, request_id: str, first_token_id: int) -> RequestOutput:
         """Decode role: the KV arrived and its fence verified; join the batch.

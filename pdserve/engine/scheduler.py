@@ -97,10 +97,12 @@ class Scheduler:
     def reserve_for_received_kv(self, request: Request) -> list[int] | None:
         """Decode role: own blocks for the whole prompt now, to be filled by the handoff.
 
-        Returns the block ids (position order) and marks the request AWAITING_KV, or returns
-        None if there is no room right now (no free batch seat or not enough free blocks);
-        nothing changed then and the caller may retry later or choose another worker.
-        Raises like `add_request` for a request that is invalid or can never fit.
+        A prefix already in this worker's cache is reused (``request.num_cached_tokens``
+        says how many tokens, block-aligned): only the blocks after it need the KV sent.
+        Returns those blocks' ids (position order) and marks the request AWAITING_KV, or
+        returns None if there is no room right now (no free batch seat or not enough free
+        blocks); nothing changed then and the caller may retry later or choose another
+        worker. Raises like `add_request` for a request that is invalid or can never fit.
         """
         if request.mode is not RequestMode.FROM_RECEIVED_KV:
             raise InvalidRequestError(
@@ -110,10 +112,13 @@ class Scheduler:
         check_new_request(request, self.config, self.kv, self._requests)
         if self._num_seated >= self.config.max_num_seqs:
             return None
-        block_ids = self.kv.allocate_slots(request, request.num_prompt_tokens)
+        cached_ids, num_cached = self.kv.find_cached_prefix(request)
+        block_ids = self.kv.allocate_slots(request, request.num_prompt_tokens - num_cached,
+                                           cached_ids)
         if block_ids is None:
             self.kv.free(request)
             return None
+        request.num_cached_tokens = num_cached
         self._register(request)
         request.status = RequestStatus.AWAITING_KV
         self._num_awaiting_kv += 1

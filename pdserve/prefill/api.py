@@ -18,6 +18,9 @@ class PrefillRequest:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     ticket: dict[str, Any]  # HandoffTicket.to_dict() from the paired decode worker
+    # Prompt tokens whose KV the decode worker already holds (whole blocks): the ticket's
+    # blocks start after them.
+    decode_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ class PrefillWorker:
         # Same-host decode workers then read finished blocks straight from this cache.
         exported = self.sender.export_cache(self.engine.kv_cache)
         # Both touched only on the engine thread (commands and the layer hook run there).
-        self._tickets: dict[str, HandoffTicket] = {}
+        # Ticket and first block to send (after what the decode worker already holds).
+        self._tickets: dict[str, tuple[HandoffTicket, int]] = {}
         self._transfers: dict[str, OutboundTransfer] = {}
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_transfers_failed = 0
@@ -72,11 +73,13 @@ class PrefillWorker:
         rid = request.request_id
         ticket = HandoffTicket.from_dict(request.ticket)
         self.engine.layout.check_matches(ticket.layout)
+        first_block = self._first_block(request, ticket)
         arrived = time.monotonic()
         first: RequestOutput | None = None
         stream = self.async_engine.open_stream(rid)
         try:
-            await self.async_engine.call(lambda: self._tickets.__setitem__(rid, ticket))
+            await self.async_engine.call(
+                lambda: self._tickets.__setitem__(rid, (ticket, first_block)))
             await self.async_engine.call(lambda: self.engine.add_request(
                 rid, request.prompt_token_ids, request.sampling_params, RequestMode.PREFILL_ONLY))
             async for out in self.async_engine.stream(rid, stream):
@@ -99,6 +102,18 @@ class PrefillWorker:
             first_logprobs=first.logprobs[0] if first.logprobs else None,
         )
 
+    def _first_block(self, request: PrefillRequest, ticket: HandoffTicket) -> int:
+        """The first of this worker's blocks to send: the decode worker holds the ones before
+        (whole blocks), and the ticket must cover exactly the rest of the prompt."""
+        cached, block_size = request.decode_cached_tokens, self.engine.layout.block_size
+        if (cached < 0 or cached % block_size
+                or cached + ticket.num_tokens != len(request.prompt_token_ids)):
+            raise ValueError(
+                f"{request.request_id}: the decode worker holds {cached} prompt tokens and "
+                f"reserved {ticket.num_tokens} more, the prompt has "
+                f"{len(request.prompt_token_ids)} (block size {block_size})")
+        return cached // block_size
+
     def _send_layer(self, layer: int, output: SchedulerOutput) -> None:
         """Engine thread, right after `layer` wrote its KV: ship it for completed prompts."""
         transfers = []
@@ -108,10 +123,11 @@ class PrefillWorker:
             rid = chunk.request.request_id
             transfer = self._transfers.get(rid)
             if transfer is None:
-                ticket = self._tickets.pop(rid, None)
-                if ticket is None:
+                pending = self._tickets.pop(rid, None)
+                if pending is None:
                     continue
-                block_ids = self.engine.kv_manager.block_ids(rid)[: ticket.num_blocks]
+                ticket, first = pending
+                block_ids = self.engine.kv_manager.block_ids(rid)[first:first + ticket.num_blocks]
                 transfer = self.sender.start_transfer(ticket, block_ids, self.engine.layout)
                 self._transfers[rid] = transfer
             transfers.append(transfer)

@@ -107,7 +107,8 @@ class GenerationPipeline:
                 raise OverloadedError(1.0, reason=str(exc).splitlines()[-1]) from exc
             trace.update(decode_reserve_ms=(time.monotonic() - reserve_start) * 1000.0)
             prefill_call = self.prefill.prefill.remote(  # type: ignore[union-attr]
-                PrefillRequest(request_id, prompt_ids, params, ticket_event.ticket or {}))
+                PrefillRequest(request_id, prompt_ids, params, ticket_event.ticket or {},
+                               ticket_event.num_cached_tokens))
             try:
                 result: PrefillResult = await prefill_call
             except Exception as exc:  # noqa: BLE001 - any prefill failure: recompute on decode

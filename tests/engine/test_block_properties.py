@@ -203,15 +203,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         if block_ids is None:
             assert self.sched.get_request(request.request_id) is None
             assert self.sched.kv.num_free_blocks == free_before
-        else:
-            assert len(block_ids) == self.sched.kv.num_blocks_for(request.num_prompt_tokens)
+        else:  # a cached prefix is reused: only the blocks after it are to be received
+            cached = request.num_cached_tokens
+            assert cached % self.sched.kv.block_size == 0 and cached < request.num_prompt_tokens
+            assert len(block_ids) == self.sched.kv.num_blocks_for(request.num_prompt_tokens) - (
+                cached // self.sched.kv.block_size)
 
     @precondition(lambda self: self.sched.num_awaiting_kv > 0)
     @rule(data=st.data())
     def activate(self, data: st.DataObject) -> None:
         awaiting = self._ids(RequestStatus.AWAITING_KV)
         request = self.sched._requests[data.draw(st.sampled_from(awaiting))]
-        self.runner.write_kv(request, 0, request.num_prompt_tokens)  # the handoff's writes
+        # The handoff writes only after the reused prefix; next_token then reads all of it.
+        self.runner.write_kv(request, request.num_cached_tokens, request.num_prompt_tokens)
         first = self.runner.next_token(request, request.num_prompt_tokens)
         self.sched.activate_received(request.request_id, first)
 

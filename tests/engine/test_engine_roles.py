@@ -47,10 +47,11 @@ def split_generate(prefill: LLMEngine, decode: LLMEngine, prompt: list[int],
     while first is None:
         first = next((o for o in prefill.step() if o.request_id == rid), None)
     assert first.finish_reason == "prefilled" and len(first.new_token_ids) == 1
-    dst = decode.reserve_for_received_kv(rid, prompt, params)
-    assert dst is not None
-    src = prefill.kv_manager.block_ids(rid)[: len(dst)]
-    decode.kv_cache[:, :, dst] = prefill.kv_cache[:, :, src]
+    slots = decode.reserve_for_received_kv(rid, prompt, params)
+    assert slots is not None
+    first_block = slots.num_cached_tokens // decode.layout.block_size  # decode holds these
+    src = prefill.kv_manager.block_ids(rid)[first_block:first_block + len(slots.block_ids)]
+    decode.kv_cache[:, :, slots.block_ids] = prefill.kv_cache[:, :, src]
     prefill.release(rid)
     decode.activate_received(rid, first.new_token_ids[0])
     rest, _, _ = run_until_finished(decode, rid)
@@ -73,6 +74,27 @@ def test_prefill_then_decode_equals_one_engine(loaded, tiny_checkpoints, params)
     for e in (prefill, decode):
         stats = e.kv_stats()
         assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_decode_reuses_a_prefix_it_holds_and_receives_only_the_rest(loaded,
+                                                                     tiny_checkpoints) -> None:
+    """A second turn: the decode worker still caches the first turn's prompt, so it reserves
+    (and the prefill side copies) only the blocks after that prefix; output is unchanged."""
+    path = tiny_checkpoints["qwen2"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    first_turn = list(range(200, 260))
+    second_turn = first_turn + list(range(500, 530))
+    whole, prefill, decode = (engine(loaded, path) for _ in range(3))
+    assert split_generate(prefill, decode, first_turn, params, "t1") == whole.generate(
+        [first_turn], params)[0]
+    slots = decode.reserve_for_received_kv("probe", second_turn, params)
+    assert slots is not None and slots.num_cached_tokens == 56  # 7 whole blocks of 8
+    assert len(slots.block_ids) == decode.kv_manager.num_blocks_for(len(second_turn)) - 7
+    decode.abort("probe")
+    assert split_generate(prefill, decode, second_turn, params, "t2") == whole.generate(
+        [second_turn], params)[0]
+    for e in (prefill, decode):
+        assert e.kv_stats().num_free_blocks == e.kv_stats().num_blocks
 
 
 def test_recompute_resume_equals_one_engine(loaded, tiny_checkpoints) -> None:

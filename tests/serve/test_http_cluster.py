@@ -357,6 +357,33 @@ def test_repeated_prefix_hits_cache_and_metrics(served_apps: ServedApps) -> None
     assert computed == first.usage.prompt_tokens + second.usage.prompt_tokens - hit
 
 
+def test_second_turn_sends_only_the_kv_decode_does_not_hold(served_apps: ServedApps,
+                                                            tiny_checkpoints) -> None:
+    """Turn 2 repeats turn 1's conversation: the decode worker still caches its prompt, so
+    the handoff carries only the blocks after it, and the answer is still the engine's."""
+    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    url, c = served_apps.url("disagg"), client(served_apps, "disagg")
+    conv = [{"role": "system", "content": f"Session {uuid.uuid4()}. {SHARED_SYSTEM}"},
+            {"role": "user", "content": "First question, please."}]
+    sent = []
+    for turn in range(2):
+        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(conv))
+        [want] = engine.generate([ids], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                       ignore_eos=True))
+        before = metric_value(httpx.get(f"{url}/metrics", timeout=30).text,
+                              "pdserve:handoff_bytes_sum")
+        reply = c.chat.completions.create(model="tiny", messages=conv, max_tokens=MAX_TOKENS,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert reply.choices[0].message.content == engine.tokenizer.decode(want)
+        sent.append(metric_value(httpx.get(f"{url}/metrics", timeout=30).text,
+                                 "pdserve:handoff_bytes_sum") - before)
+        conv += [{"role": "assistant", "content": reply.choices[0].message.content},
+                 {"role": "user", "content": f"Follow-up number {turn + 1}?"}]
+    prompt_blocks = len(ids) // 16 + 1
+    assert 0 < sent[1] <= sent[0] * 8 / prompt_blocks  # a few blocks, not the whole prompt
+    served_apps.wait_all_free("disagg")
+
+
 def test_metrics_endpoint_serves_stage_histograms(served_apps: ServedApps) -> None:
     chat(served_apps, "disagg", conversations()[1], stream=False)
     text = httpx.get(f"{served_apps.url('disagg')}/metrics", timeout=30).text
