@@ -202,8 +202,9 @@ class RouterSection(Section):
     request_timeout_s: float = Field(120.0, gt=0, description="Whole-request deadline.")
     prefill_policy: Literal["prefix_affinity", "least_loaded", "round_robin"] = Field(
         "prefix_affinity", description="How the router picks a prefill replica.")
-    decode_policy: Literal["kv_headroom", "least_loaded", "round_robin"] = Field(
-        "kv_headroom", description="How the router picks a decode replica.")
+    decode_policy: Literal["kv_headroom", "prefix_affinity", "least_loaded", "round_robin"] = Field(
+        "kv_headroom", description="How the router picks a decode replica (prefix_affinity: "
+        "where the prompt's prefix went last, whose cached KV then need not be sent again).")
     ratio_band: RatioBandSection | None = Field(
         None, description="Allowed prefill:decode replica ratio while autoscaling.")
     replicas: int = Field(1, ge=1, description="Ingress (HTTP) replicas.")

@@ -47,6 +47,8 @@ class DecodeEvent:
     finished: bool = False
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    # "tokens": prompt tokens this worker's prefix cache saved it computing (0 for received
+    # KV); "ticket": prompt tokens whose KV it already holds, so the ticket leaves them out.
     num_cached_tokens: int = 0
     reason: str = ""
     # Disaggregated path only: seconds from the ticket until the fence verified (this

@@ -23,11 +23,14 @@ from pdserve.log import configure_logging
 logger = logging.getLogger(__name__)
 
 
-def tokens_event(out: RequestOutput) -> DecodeEvent:
+def tokens_event(out: RequestOutput, prefilled_here: bool = True) -> DecodeEvent:
+    """``prefilled_here``: this worker computed the prompt, so its prefix-cache hits saved
+    compute (received KV: the prefill worker reports those)."""
     return DecodeEvent(
         kind="tokens", token_ids=out.new_token_ids, logprobs=out.logprobs, text=out.new_text,
         finished=out.finished, finish_reason=out.finish_reason,
-        num_output_tokens=out.num_output_tokens, num_cached_tokens=out.num_cached_tokens,
+        num_output_tokens=out.num_output_tokens,
+        num_cached_tokens=out.num_cached_tokens if prefilled_here else 0,
     )
 
 
@@ -100,7 +103,7 @@ class DecodeWorker:
             if not finished:
                 async for out in self.async_engine.stream(rid, stream):
                     finished = out.finished
-                    yield tokens_event(out)
+                    yield tokens_event(out, prefilled_here=False)
         finally:
             if not finished:
                 # Cancelled (client gone) or crashed: stop the receiver writing before freeing.

@@ -37,7 +37,8 @@ def _prompt_of(pending: PendingRequest | None) -> list[int]:
 
 
 class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    """Prefill: send a prompt where its prefix was prefilled last, unless that replica lags."""
+    """Send a prompt where its prefix went last, unless that replica lags: for prefill (the
+    prefix is computed already) and for decode (its KV need not be sent again)."""
 
     def initialize_state(self, block_size: int = 16, max_prefix_blocks: int = 64,
                          max_imbalance: int = 4, **_: Any) -> None:
