@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
@@ -59,9 +59,9 @@ from pdserve.router.protocol_responses import (
 )
 from pdserve.router.sse import (
     DONE_EVENT,
-    SSE_MEDIA_TYPE,
     ChatStreamFormatter,
     CompletionStreamFormatter,
+    EventStreamResponse,
     error_event,
 )
 from pdserve.router.timings import time_per_output_token_ms
@@ -131,8 +131,8 @@ class Ingress:
         for run, first in zip(runs, firsts, strict=True):
             run.outcome.record(first, time.monotonic())
         if req.stream:
-            return StreamingResponse(self._sse(req, rid, runs, firsts, len(ids), chat),
-                                     media_type=SSE_MEDIA_TYPE)
+            return EventStreamResponse(self._sse(req, rid, runs, firsts, len(ids), chat),
+                                       lambda: self._end_all(runs, "cancelled"))
         try:
             await gather_or_cancel([self._drain(run) for run in runs])
         except BaseException:

@@ -10,10 +10,13 @@ A failure mid-stream sends `error_event` (an OpenAI error body; clients raise on
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from pdserve.router.http_errors import openai_error
 from pdserve.router.protocol_responses import (
@@ -30,6 +33,24 @@ from pdserve.router.protocol_responses import (
 
 DONE_EVENT = "data: [DONE]\n\n"
 SSE_MEDIA_TYPE = "text/event-stream"
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that runs ``on_close`` however sending ends. Starlette never starts
+    the body when the client leaves while the headers go out, so the body's own ``finally``
+    cannot be the only place that releases what the stream holds."""
+
+    def __init__(self, events: AsyncGenerator[str, None],
+                 on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(events, media_type=SSE_MEDIA_TYPE)
+        self._events, self._on_close = events, on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._events.aclose()  # runs a started body's own finally first
+            await self._on_close()
 
 
 def sse_event(payload: BaseModel | dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import suppress
 
 import pytest
 
@@ -110,23 +111,37 @@ def test_gather_or_cancel_cancels_the_rest_on_a_failure() -> None:
 
 
 class _RecordingPipeline:
-    """Stands in for the workers: each choice yields one token and finishes."""
+    """Stands in for the workers: each choice yields one token and finishes, or (``hang``)
+    one token and then nothing until closed."""
 
-    def __init__(self) -> None:
+    def __init__(self, hang: bool = False) -> None:
         self.calls: list[tuple[str, int | None]] = []
+        self.closed: list[str] = []
+        self.hang = hang
 
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
                        trace: RequestTrace) -> AsyncIterator[GenerationDelta]:
         self.calls.append((request_id, params.seed))
         trace.update(path="colocated", num_prompt_tokens=len(ids))
-        yield GenerationDelta(f"<{request_id}>", [1], finished=True, finish_reason="length")
+        try:
+            yield GenerationDelta(f"<{request_id}>", [1], finished=not self.hang,
+                                  finish_reason=None if self.hang else "length")
+            if self.hang:
+                await asyncio.Event().wait()
+        finally:
+            self.closed.append(request_id)
+
+
+def _ingress(checkpoint: str, pipeline: _RecordingPipeline) -> Ingress:
+    settings = IngressSettings(checkpoint, "tiny", 256, 8, 30.0, PipelineSettings("colocated", 16))
+    ingress = Ingress(decode=None, prefill=None, settings=settings)
+    ingress.pipeline = pipeline  # type: ignore[assignment]
+    return ingress
 
 
 def test_each_choice_runs_under_its_own_id_and_seed(tiny_checkpoints: dict[str, str]) -> None:
-    settings = IngressSettings(tiny_checkpoints["llama"], "tiny", 256, 8, 30.0,
-                               PipelineSettings("colocated", 16))
-    ingress = Ingress(decode=None, prefill=None, settings=settings)
-    pipeline = ingress.pipeline = _RecordingPipeline()  # type: ignore[assignment]
+    pipeline = _RecordingPipeline()
+    ingress = _ingress(tiny_checkpoints["llama"], pipeline)
     body = json.dumps({"model": "tiny", "prompt": "hi", "n": 3, "seed": 5, "max_tokens": 1})
     response = asyncio.run(ingress.completion(body.encode()))
     data = json.loads(bytes(response.body))
@@ -134,3 +149,34 @@ def test_each_choice_runs_under_its_own_id_and_seed(tiny_checkpoints: dict[str, 
     assert pipeline.calls == [(f"{rid}-0", 5), (f"{rid}-1", 6), (f"{rid}-2", 7)]
     assert [c["text"] for c in data["choices"]] == [f"<{rid}-{i}>" for i in range(3)]
     assert data["usage"]["completion_tokens"] == 3 and ingress.admission.num_in_flight == 0
+
+
+@pytest.mark.parametrize("asgi_version", ["2.4", "2.0"])
+def test_a_client_gone_before_the_first_chunk_still_ends_every_choice(
+        tiny_checkpoints: dict[str, str], asgi_version: str) -> None:
+    """Starlette never starts a stream's body when the client leaves while the headers go
+    out (2.4: the send fails; 2.0: the disconnect wins the race): the choices must still be
+    closed (the workers stop) and their admission returned."""
+    pipeline = _RecordingPipeline(hang=True)
+    ingress = _ingress(tiny_checkpoints["llama"], pipeline)
+    body = json.dumps({"model": "tiny", "prompt": "hi", "n": 2, "stream": True})
+
+    async def run() -> None:
+        response = await ingress.completion(body.encode())
+        assert ingress.admission.num_in_flight == 2 and pipeline.closed == []
+
+        async def receive() -> dict[str, str]:
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            if asgi_version == "2.4":
+                raise OSError("connection reset by peer")
+            await asyncio.Event().wait()  # the headers never leave
+
+        scope = {"type": "http", "asgi": {"spec_version": asgi_version}}
+        with suppress(Exception):
+            await response(scope, receive, send)  # type: ignore[arg-type]
+
+    asyncio.run(run())
+    assert sorted(pipeline.closed) == sorted(call[0] for call in pipeline.calls)
+    assert len(pipeline.closed) == 2 and ingress.admission.num_in_flight == 0
