@@ -142,10 +142,9 @@ class Tokenizer:
         piece = self._backend.id_to_token(token_id)
         if piece is None:  # a model's padded vocabulary rows (a top alternative, say)
             return b""
-        fallback = _BYTE_FALLBACK.fullmatch(piece)
         if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
             data = bytes(_BYTE_LEVEL[c] for c in piece)
-        elif fallback is not None:
+        elif fallback := _BYTE_FALLBACK.fullmatch(piece):
             data = bytes([int(fallback.group(1), 16)])
         else:
             data = piece.replace("\u2581", " ").encode()

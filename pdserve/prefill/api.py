@@ -23,6 +23,19 @@ class PrefillRequest:
     decode_cached_tokens: int = 0
 
 
+def first_block_to_send(request: PrefillRequest, ticket_num_tokens: int, block_size: int) -> int:
+    """The first of the prefill worker's blocks to send: the decode worker holds the ones
+    before (whole blocks), and the ticket must cover exactly the rest of the prompt."""
+    cached = request.decode_cached_tokens
+    if cached < 0 or cached % block_size or cached + ticket_num_tokens != len(
+            request.prompt_token_ids):
+        raise ValueError(
+            f"{request.request_id}: the decode worker holds {cached} prompt tokens and "
+            f"reserved {ticket_num_tokens} more, the prompt has "
+            f"{len(request.prompt_token_ids)} (block size {block_size})")
+    return cached // block_size
+
+
 @dataclass(frozen=True)
 class PrefillResult:
     request_id: str

@@ -27,7 +27,7 @@ from pdserve.handoff import (
 )
 from pdserve.handoff.ucp_memory import UcpMemoryError
 from pdserve.log import configure_logging
-from pdserve.prefill.api import PrefillRequest, PrefillResult
+from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,8 @@ class PrefillWorker:
         rid = request.request_id
         ticket = HandoffTicket.from_dict(request.ticket)
         self.engine.layout.check_matches(ticket.layout)
-        first_block = self._first_block(request, ticket)
+        first_block = first_block_to_send(request, ticket.num_tokens,
+                                          self.engine.layout.block_size)
         arrived = time.monotonic()
         first: RequestOutput | None = None
         stream = self.async_engine.open_stream(rid)
@@ -101,18 +102,6 @@ class PrefillWorker:
             compute_s=max(0.0, time.monotonic() - arrived - first.queue_s),
             first_logprobs=first.logprobs[0] if first.logprobs else None,
         )
-
-    def _first_block(self, request: PrefillRequest, ticket: HandoffTicket) -> int:
-        """The first of this worker's blocks to send: the decode worker holds the ones before
-        (whole blocks), and the ticket must cover exactly the rest of the prompt."""
-        cached, block_size = request.decode_cached_tokens, self.engine.layout.block_size
-        if (cached < 0 or cached % block_size
-                or cached + ticket.num_tokens != len(request.prompt_token_ids)):
-            raise ValueError(
-                f"{request.request_id}: the decode worker holds {cached} prompt tokens and "
-                f"reserved {ticket.num_tokens} more, the prompt has "
-                f"{len(request.prompt_token_ids)} (block size {block_size})")
-        return cached // block_size
 
     def _send_layer(self, layer: int, output: SchedulerOutput) -> None:
         """Engine thread, right after `layer` wrote its KV: ship it for completed prompts."""

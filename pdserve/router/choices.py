@@ -5,7 +5,7 @@ trace and outcome, and the helpers that run them side by side and merge their st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
@@ -48,7 +48,7 @@ class ChoiceRun:
 
     index: int
     trace: RequestTrace
-    deltas: AsyncIterator[GenerationDelta]
+    deltas: AsyncGenerator[GenerationDelta, None]  # closed (aclose) when the choice ends
     outcome: ChoiceOutcome = field(default_factory=ChoiceOutcome)
     status: str | None = None  # set once, when the choice ended (its trace is then logged)
 
