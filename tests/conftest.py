@@ -6,9 +6,14 @@ Sets the Hugging Face libraries offline before any test imports them.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from served import ServedApps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -38,3 +43,26 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
         ),
     }
     return {name: str(path) for name, path in paths.items()}
+
+
+@pytest.fixture(scope="session")
+def ray_serve() -> Iterator[ServedApps]:
+    """The session's one local Ray with Serve's HTTP proxy on a free port (Ray starts in
+    seconds, so every module that serves apps shares it and deploys its own)."""
+    from served import local_ray_serve
+
+    with local_ray_serve() as apps:
+        yield apps
+
+
+@pytest.fixture(scope="session")
+def served_apps(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> ServedApps:
+    """The disaggregated (``disagg``) and the colocated (``colo``) app most serving tests
+    talk to, deployed once for the session."""
+    from served import app_config
+
+    path = tiny_checkpoints["llama"]
+    # The colocated app admits few requests at once, to exercise admission control.
+    for name, mode, limit in (("disagg", "disaggregated", 64), ("colo", "colocated", 4)):
+        ray_serve.start_app(name, app_config(path, mode, max_queued_requests=limit))
+    return ray_serve

@@ -179,12 +179,15 @@ class LLMEngine:
         The first token was already shown to the client by the prefill side, so its text is
         absorbed here (it still seeds detokenization and stop-string search).
         """
-        self.scheduler.activate_received(request_id, first_token_id)
+        # Fetched first: a first token that ends the request (max_tokens 1, EOS, a stop
+        # token) finishes it inside activate_received, and the scheduler forgets it.
         request = self.scheduler.get_request(request_id)
+        if request is None:
+            raise InvalidRequestError(f"activate_received({request_id!r}): unknown request")
+        self.scheduler.activate_received(request_id, first_token_id)
         tracked = self._tracked[request_id]
         tracked.stream.add(first_token_id)
         tracked.num_reported = 1
-        assert request is not None
         if tracked.stream.stopped and not request.status.is_finished:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
         if request.status.is_finished:

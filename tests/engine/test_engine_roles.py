@@ -173,3 +173,26 @@ def test_stop_token_and_max_tokens(loaded, tiny_checkpoints) -> None:
                                                  stop_token_ids=(stop_id,)))[0]
     assert stopped == full[: first + 1]
     assert e.generate([prompt], SamplingParams(max_tokens=3, temperature=0.0))[0] == full[:3]
+
+
+@pytest.mark.parametrize("case", ["max_tokens_1", "eos_first"])
+def test_a_first_token_that_ends_the_request_finishes_it_on_activation(
+        loaded, tiny_checkpoints, case: str) -> None:
+    path = tiny_checkpoints["qwen2"]
+    prefill, decode = engine(loaded, path), engine(loaded, path)
+    prompt = list(range(10, 60))
+    eos = decode.tokenizer.eos_token_ids[0]
+    params = (SamplingParams(max_tokens=1, temperature=0.0) if case == "max_tokens_1" else
+              SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((eos, 100.0),)))
+    prefill.add_request("r", prompt, params, RequestMode.PREFILL_ONLY)
+    first = None
+    while first is None:
+        first = next((o for o in prefill.step() if o.request_id == "r"), None)
+    slots = decode.reserve_for_received_kv("r", prompt, params)
+    assert slots is not None
+    out = decode.activate_received("r", first.new_token_ids[0])
+    assert out.finished and out.num_output_tokens == 1
+    assert out.finish_reason == ("length" if case == "max_tokens_1" else "stop")
+    assert not decode.has_unfinished_requests()
+    stats = decode.kv_stats()
+    assert stats.num_free_blocks == stats.num_blocks

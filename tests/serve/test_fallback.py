@@ -17,7 +17,7 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from conftest import ServedApps
+    from served import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -27,8 +27,8 @@ PROMPTS = ["Tell me about the weather in spring and the birds that return. " * 2
 
 @pytest.fixture(scope="module")
 def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
-    from conftest import app_config
     from ray import serve
+    from served import app_config
 
     from pdserve.cluster.app import build_application, handoff_config
     from pdserve.cluster.config import parse_config

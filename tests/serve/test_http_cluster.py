@@ -20,7 +20,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from conftest import ServedApps
+    from served import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

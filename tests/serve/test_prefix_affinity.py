@@ -10,15 +10,15 @@ import httpx
 import pytest
 
 if TYPE_CHECKING:
-    from conftest import ServedApps
+    from served import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def two_prefill_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
-    from conftest import app_config
     from ray import serve
+    from served import app_config
 
     from pdserve.cluster.app import build_from_config
     from pdserve.cluster.config import parse_config

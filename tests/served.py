@@ -1,6 +1,7 @@
-"""A real local Ray with two pdserve apps (disaggregated and colocated) on one Serve HTTP port.
+"""Real pdserve apps on the test session's one local Ray and Serve HTTP port.
 
-Started once per test session module that asks for it; torn down with the Ray it started.
+`ray_serve` (tests/conftest.py) starts them once; modules deploy their own apps under their
+own route prefix with `deploy_app` and delete them when done.
 """
 
 from __future__ import annotations
@@ -8,10 +9,9 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-
-import pytest
 
 HANDOFF_TOKEN = "test-cluster-token-0123456789"
 
@@ -22,15 +22,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
+             interval_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval_s)
 
 
 def app_config(model_path: str, mode: str, **router: Any) -> dict[str, Any]:
+    """A small app of one replica per role, 1 logical CPU each, on the tiny checkpoint."""
     roles: dict[str, Any] = {"decode": {"replicas": 1, "resources": {"num_cpus": 1}}}
     if mode == "disaggregated":
         roles["prefill"] = {"replicas": 1, "resources": {"num_cpus": 1}}
@@ -55,6 +57,7 @@ class ServedApps:
         return f"{self.base_url}/{app}"
 
     def kv_stats(self, app: str) -> dict[str, dict[str, int]]:
+        """Every role's block and queue counts, from one replica of each."""
         from ray import serve
 
         stats = {}
@@ -76,26 +79,38 @@ class ServedApps:
             )
         wait_for(settled, timeout_s, f"all KV blocks of {app} to be released")
 
+    def start_app(self, name: str, raw_config: dict[str, Any]) -> str:
+        """Run a pdserve app from a config mapping at /NAME; return its URL."""
+        from ray import serve
 
-@pytest.fixture(scope="session")
-def served_apps(tiny_checkpoints: dict[str, str]) -> Iterator[ServedApps]:
+        from pdserve.cluster.app import build_from_config
+        from pdserve.cluster.config import parse_config
+
+        cfg = parse_config(raw_config, source=f"test app {name}")
+        serve.run(build_from_config(cfg), name=name, route_prefix=f"/{name}")
+        return self.url(name)
+
+    @contextmanager
+    def deploy(self, name: str, raw_config: dict[str, Any]) -> Iterator[str]:
+        """`start_app` for the length of a with-block (a module's fixture); deleted after."""
+        from ray import serve
+
+        try:
+            yield self.start_app(name, raw_config)
+        finally:
+            serve.delete(name)
+
+
+@contextmanager
+def local_ray_serve(num_cpus: int = 16) -> Iterator[ServedApps]:
+    """A fresh local Ray (never one found on the machine) with Serve on a free port."""
     import ray
     from ray import serve
 
-    from pdserve.cluster.app import build_from_config
-    from pdserve.cluster.config import parse_config
-
     port = free_port()
-    # address="local": always a fresh instance of our own, never a cluster found on the machine.
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        path = tiny_checkpoints["llama"]
-        # The colocated app admits few requests at once, to exercise admission control.
-        for name, mode, limit in (("disagg", "disaggregated", 64), ("colo", "colocated", 4)):
-            cfg = parse_config(app_config(path, mode, max_queued_requests=limit),
-                               source=f"test app {name}")
-            serve.run(build_from_config(cfg), name=name, route_prefix=f"/{name}")
         yield ServedApps(f"http://127.0.0.1:{port}")
     finally:
         serve.shutdown()
