@@ -1,21 +1,19 @@
-"""KV handoff bandwidth: pdserve's UCXX handoff vs in-process memcpy vs the Ray object store
-between two Ray nodes vs a plain TCP socket, for KV-shaped payloads of 1 to 256 MiB.
+"""KV handoff bandwidth: pdserve's handoff vs raw UCXX tagged sends of the same bytes (the
+transport's ceiling), in-process memcpy, a plain TCP socket and the Ray object store between
+two Ray nodes, for KV-shaped payloads of 1 to 256 MiB.
 
 Run: ``python benchmarks/handoff_bandwidth.py [--sizes 1,4,16,64,256] [--reps 5] [--no-ray]``
-Writes ``results/handoff_bandwidth.json`` and ``.png`` (GB/s and ratio to memcpy by size).
+Writes ``results/handoff_bandwidth.json`` and ``.png`` (GB/s and ratio to raw UCXX by size).
 
 Every number is the median over ``--reps`` runs after one warm-up, on one machine:
 - handoff: two spawned processes; from the first per-layer hook call on the sender to the
-  receiver's ready future resolving (digests, transfer, digest checks and fence included),
-  with block ids scattered at random on both sides ("scattered") and with each side's blocks
-  in one run ("runs"). "read": the sender's cache is in UCX shared memory and exported, and
-  the receiver copies each piece from it itself (the prefill worker's default on one host);
-  "push": an ordinary sender cache, pieces sent over UCX (staged when scattered; direct once
-  a layer's K or V reaches ``direct_min_piece_bytes``, i.e. from 32 blocks = 32 MiB here).
-- memcpy: ``np.copyto`` of the same number of bytes in this process (the ceiling).
-- ideal read: the read's kernels (in-place digest per layer, a futex bell, two threads
-  copying and hashing) between two processes with no protocol at all (`_ideal_read`): what
-  this machine allows a verified same-host read; "read / ideal" is pdserve's overhead.
+  receiver's ready future resolving (gather, digests, transfer, digest checks, scatter and
+  fence included), with block ids scattered at random on both sides ("scattered") and each
+  side's blocks in one run ("runs").
+- raw ucxx: the same two processes, the same piece sizes as the handoff's plan, sent with
+  UCXX tagged sends from one contiguous buffer into receives posted in advance on another:
+  no gather, digest, header, fence or scatter. The handoff cannot beat it.
+- memcpy: ``np.copyto`` of the same number of bytes in this process.
 - tcp: two processes, ``sendall``/``recv_into`` over 127.0.0.1, first byte sent to last byte in.
 - ray: two Ray nodes started here (``ray.cluster_utils.Cluster``: separate raylets and object
   stores, its own temp dir, shut down by its own pids); ``ray.put`` in an actor pinned to one
@@ -25,7 +23,6 @@ Every number is the median over ``--reps`` runs after one warm-up, on one machin
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import multiprocessing
 import os
@@ -60,10 +57,12 @@ def bench_layout() -> Any:
 
 
 # ---- child processes ------------------------------------------------------------------------
-def handoff_worker(conn: Any, role: str, num_cache_blocks: int, reads: bool) -> None:
-    """One handoff role in its own process, driven by (op, args) tuples over a pipe.
-    ``reads``: the sender's cache is in shared memory and exported, so the receiver (same
-    host) reads the KV itself; otherwise the sender pushes it over UCX."""
+RAW_TAG = 0xBE << 56
+
+
+def handoff_worker(conn: Any, role: str, num_cache_blocks: int) -> None:
+    """One handoff role in its own process, driven by (op, args) tuples over a pipe: handoff
+    transfers, and raw UCXX sends of the same sizes over the same transport."""
     import torch
 
     from pdserve.handoff import (
@@ -76,14 +75,10 @@ def handoff_worker(conn: Any, role: str, num_cache_blocks: int, reads: bool) -> 
 
     layout = bench_layout()
     cache = torch.randn(layout.cache_shape(num_cache_blocks)).to(layout.torch_dtype)
+    raw = np.random.randint(0, 255, num_cache_blocks * MIB, dtype=np.uint8)
     transport = HandoffTransport(HandoffConfig(**BENCH_CONFIG)).start()
     receiver = HandoffReceiver(transport, cache, layout) if role == "receiver" else None
     sender = HandoffSender(transport) if role == "sender" else None
-    if sender is not None and reads:
-        shared = transport.share_host_memory(cache.numel() * cache.element_size())
-        cache = shared.view(cache.dtype).view(cache.shape).copy_(cache)
-        if not sender.export_cache(cache):
-            raise RuntimeError("the shared cache could not be exported")
     stamps: dict[str, float] = {}
     conn.send("up")
     while True:
@@ -92,7 +87,9 @@ def handoff_worker(conn: Any, role: str, num_cache_blocks: int, reads: bool) -> 
             transport.stop()
             conn.send("stopped")
             return
-        if op == "reserve" and receiver is not None:
+        if op == "identity":
+            conn.send((transport.address, transport.host))
+        elif op == "reserve" and receiver is not None:
             request_id, block_ids = args
             ticket = receiver.reserve(request_id, block_ids, layout, len(block_ids) * 16)
             future = receiver.ready_future(request_id)
@@ -110,6 +107,47 @@ def handoff_worker(conn: Any, role: str, num_cache_blocks: int, reads: bool) -> 
             sender.send_fence(transfer, 1)
             result = transfer.released.result(60)
             conn.send((started, result.ok, str(result.error)))
+        elif op == "raw_post":
+            done = transport.submit(_raw_post(transport, raw, *args))
+            conn.send("posted")
+            conn.send(done.result(60))
+        elif op == "raw_send":
+            conn.send(transport.submit(_raw_send(transport, raw, *args)).result(60))
+
+
+async def _raw_post(transport: Any, buffer: np.ndarray, rep: int, sizes: list[int]) -> float:
+    """Post one receive per piece into ``buffer``; return when the last one completed."""
+    import asyncio
+
+    import ucxx  # type: ignore[import-untyped]
+
+    offsets = np.cumsum([0, *sizes]).tolist()
+    receives = [asyncio.ensure_future(ucxx.recv(buffer[offsets[i]:offsets[i + 1]],
+                                                tag=RAW_TAG | rep << 16 | i))
+                for i in range(len(sizes))]
+    await asyncio.gather(*receives)
+    return time.monotonic()
+
+
+_RAW_ENDPOINTS: dict[bytes, Any] = {}
+
+
+async def _raw_send(transport: Any, buffer: np.ndarray, address: bytes, host: str, rep: int,
+                    sizes: list[int]) -> float:
+    """Send ``sizes`` bytes from ``buffer`` as that many tagged messages at once; return the
+    start time."""
+    import asyncio
+
+    endpoint = _RAW_ENDPOINTS.get(address)
+    if endpoint is None:
+        endpoint = _RAW_ENDPOINTS[address] = await transport.open_endpoint(address, host,
+                                                                           lambda: None)
+    offsets = np.cumsum([0, *sizes]).tolist()
+    started = time.monotonic()
+    await asyncio.gather(*(transport.send_payload(endpoint, buffer[offsets[i]:offsets[i + 1]],
+                                                  RAW_TAG | rep << 16 | i)
+                           for i in range(len(sizes))))
+    return started
 
 
 def _stamper(stamps: dict[str, float], key: str) -> Callable[[object], None]:
@@ -171,43 +209,62 @@ def measure_memcpy(sizes: list[int], reps: int) -> Rates:
     return results
 
 
-def measure_handoff(sizes: list[int], reps: int, contiguous: bool, reads: bool) -> Rates:
+def measure_pair(sizes: list[int], reps: int) -> dict[str, Rates]:
+    """The handoff (scattered and consecutive blocks) and raw UCXX sends between the same two
+    processes, alternating per repetition so the machine's drift hits all three alike."""
     from _common import role_pair, transfer_block_ids
+
+    from pdserve.handoff.plan import plan_pieces
 
     num_cache_blocks = max(sizes) + 8
     rng = random.Random(0)
-    results = {}
-    with role_pair(handoff_worker, (num_cache_blocks, reads)) as (receiver, sender):
+    names = ("handoff scattered", "handoff runs", "raw ucxx")
+    results: dict[str, Rates] = {name: {} for name in names}
+    with role_pair(handoff_worker, (num_cache_blocks,)) as (receiver, sender):
+        receiver.send(("identity", None))
+        address, host = receiver.recv()
         for size in sizes:
-            timings = []
-            for rep in range(reps + 1):
-                src, dst = transfer_block_ids(rng, size, num_cache_blocks, contiguous)
-                request_id = f"{size}-{rep}"
-                receiver.send(("reserve", (request_id, dst)))
-                sender.send(("push", (receiver.recv(), src)))
-                receiver.send(("wait", request_id))
-                ready_at, nbytes = receiver.recv()
-                started, ok, error = sender.recv()
-                if not ok:
-                    raise RuntimeError(f"handoff of {size} MiB failed: {error}")
-                assert nbytes == size * MIB
-                if rep:  # the first run warms staging pools and links
-                    timings.append(ready_at - started)
-            results[size] = median_rate(size * MIB, timings)
-            name = f"{'read' if reads else 'push'} {'runs' if contiguous else 'scattered'}"
-            report(name, size, results[size])
+            plan = plan_pieces(bench_layout(), size, BENCH_CONFIG["min_piece_bytes"],
+                               BENCH_CONFIG["max_piece_bytes"])
+            piece_sizes = [spec.nbytes(bench_layout()) for spec in plan]
+            timings: dict[str, list[float]] = {name: [] for name in names}
+            for rep in range(reps + 1):  # the first run warms staging pools and links
+                for name in names:
+                    if name == "raw ucxx":
+                        elapsed = _raw_once(receiver, sender, address, host, rep, piece_sizes)
+                    else:
+                        src, dst = transfer_block_ids(rng, size, num_cache_blocks,
+                                                      name.endswith("runs"))
+                        elapsed = _handoff_once(receiver, sender, f"{size}-{rep}-{name}", src,
+                                                dst)
+                    if rep:
+                        timings[name].append(elapsed)
+            for name in names:
+                results[name][size] = median_rate(size * MIB, timings[name])
+                report(name, size, results[name][size])
     return results
 
 
-def measure_ideal(sizes: list[int], reps: int, contiguous: bool) -> Rates:
-    from _ideal_read import measure_ideal as run_ideal
+def _handoff_once(receiver: Any, sender: Any, request_id: str, src: list[int],
+                  dst: list[int]) -> float:
+    receiver.send(("reserve", (request_id, dst)))
+    sender.send(("push", (receiver.recv(), src)))
+    receiver.send(("wait", request_id))
+    ready_at, nbytes = receiver.recv()
+    started, ok, error = sender.recv()
+    if not ok:
+        raise RuntimeError(f"handoff {request_id} failed: {error}")
+    assert nbytes == len(src) * MIB
+    return ready_at - started
 
-    timings = run_ideal(bench_layout(), BENCH_CONFIG["max_piece_bytes"], sizes, reps, contiguous,
-                        max(sizes) + 8)
-    results = {size: median_rate(size * MIB, timings[size]) for size in sizes}
-    for size in sizes:
-        report(f"ideal read {'runs' if contiguous else 'scattered'}", size, results[size])
-    return results
+
+def _raw_once(receiver: Any, sender: Any, address: bytes, host: str, rep: int,
+              piece_sizes: list[int]) -> float:
+    receiver.send(("raw_post", (rep, piece_sizes)))
+    assert receiver.recv() == "posted"
+    sender.send(("raw_send", (address, host, rep, piece_sizes)))
+    started = sender.recv()
+    return receiver.recv() - started
 
 
 def measure_tcp(sizes: list[int], reps: int) -> Rates:
@@ -295,21 +352,21 @@ def report(name: str, size: int, rate: tuple[float, float]) -> None:
 
 
 def table(sizes: list[int], columns: dict[str, Rates]) -> str:
-    memcpy = columns["memcpy"]
+    raw = columns["raw ucxx"]
     names = list(columns)
-    lines = ["| size | " + " | ".join(f"{n} GB/s (ms, x memcpy)" for n in names) + " |",
+    lines = ["| size | " + " | ".join(f"{n} GB/s (ms, x raw ucxx)" for n in names) + " |",
              "|---:|" + "---:|" * len(names)]
     for size in sizes:
         cells = []
         for name in names:
             rate, ms = columns[name][size]
-            cells.append(f"{rate:.2f} ({ms:.1f}, {rate / memcpy[size][0]:.2f}x)")
+            cells.append(f"{rate:.2f} ({ms:.1f}, {rate / raw[size][0]:.2f}x)")
         lines.append(f"| {size} MiB | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def rate_chart(sizes: list[int], columns: dict[str, Rates]) -> str:
-    """results/handoff_bandwidth.png: GB/s by size, and each method's ratio to memcpy."""
+    """results/handoff_bandwidth.png: GB/s by size, and each method's ratio to raw UCXX."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -318,14 +375,15 @@ def rate_chart(sizes: list[int], columns: dict[str, Rates]) -> str:
 
     fig, (rates, ratios) = plt.subplots(1, 2, figsize=(11, 4))
     for index, (name, column) in enumerate(columns.items()):
-        baseline = name in ("memcpy", "tcp", "ray") or name.startswith("ideal")
+        baseline = not name.startswith("handoff")
         style = dict(linestyle="--" if baseline else "-", marker="o",
                      color=f"C{index}", label=name)
         rates.plot(sizes, [column[s][0] for s in sizes], **style)
-        if name != "memcpy":
-            ratios.plot(sizes, [column[s][0] / columns["memcpy"][s][0] for s in sizes], **style)
+        if name != "raw ucxx":
+            ratios.plot(sizes, [column[s][0] / columns["raw ucxx"][s][0] for s in sizes],
+                        **style)
     ratios.axhline(0.5, color="grey", linewidth=0.8, linestyle=":", label="target 0.5x")
-    for ax, ylabel in ((rates, "GB/s"), (ratios, "x memcpy in the same run")):
+    for ax, ylabel in ((rates, "GB/s"), (ratios, "x raw ucxx in the same run")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("payload (MiB)")
         ax.set_ylabel(ylabel)
@@ -346,40 +404,25 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"KV-shaped payloads: {NUM_LAYERS} layers x N blocks of 32 KiB per layer (fp16); "
           f"{os.cpu_count()} CPUs; median of {args.reps} runs", flush=True)
-    # Each ideal read runs right after the read it bounds: this VM's speed drifts over minutes.
-    steps: list[tuple[str, Callable[[], Rates]]] = [
-        ("memcpy", lambda: measure_memcpy(sizes, args.reps)),
-        *(step for kind in ("scattered", "runs") for step in (
-            (f"read {kind}", functools.partial(measure_handoff, sizes, args.reps,
-                                               contiguous=kind == "runs", reads=True)),
-            (f"ideal read {kind}", functools.partial(measure_ideal, sizes, args.reps,
-                                                     contiguous=kind == "runs")))),
-        *((f"push {kind}", functools.partial(measure_handoff, sizes, args.reps,
-                                             contiguous=kind == "runs", reads=False))
-          for kind in ("scattered", "runs")),
-        ("tcp", lambda: measure_tcp(sizes, args.reps)),
+    steps: list[tuple[str, Callable[[], dict[str, Rates]]]] = [
+        ("memcpy", lambda: {"memcpy": measure_memcpy(sizes, args.reps)}),
+        ("handoff and raw ucxx", lambda: measure_pair(sizes, args.reps)),
+        ("tcp", lambda: {"tcp": measure_tcp(sizes, args.reps)}),
     ]
     if not args.no_ray:
-        steps.append(("ray", lambda: measure_ray(sizes, args.reps)))
-    measured = {}
+        steps.append(("ray", lambda: {"ray": measure_ray(sizes, args.reps)}))
+    columns: dict[str, Rates] = {}
     for name, run in steps:
         print(f"[{name}]", flush=True)
-        measured[name] = run()
-    order = ["memcpy", "read scattered", "read runs", "push scattered", "push runs",
-             "ideal read scattered", "ideal read runs", "tcp", "ray"]
-    columns = {name: measured[name] for name in order if name in measured}
+        columns.update(run())
     print()
     print(table(sizes, columns))
     for kind in ("scattered", "runs"):
-        ratios = [columns[f"read {kind}"][s][0] / columns[f"ideal read {kind}"][s][0]
-                  for s in sizes]
-        print(f"handoff (read {kind}) / ideal read: "
-              + ", ".join(f"{s} MiB {r:.2f}x" for s, r in zip(sizes, ratios, strict=True)))
-    if "ray" in columns:
-        for kind in ("read scattered", "read runs", "push scattered", "push runs"):
-            ratios = [columns[kind][s][0] / columns["ray"][s][0] for s in sizes]
-            print(f"handoff ({kind}) / ray object store: "
-                  + ", ".join(f"{s} MiB {r:.1f}x" for s, r in zip(sizes, ratios, strict=True)))
+        for base in ("raw ucxx", "ray"):
+            if base in columns:
+                ratios = [columns[f"handoff {kind}"][s][0] / columns[base][s][0] for s in sizes]
+                print(f"handoff ({kind}) / {base}: "
+                      + ", ".join(f"{s} MiB {r:.2f}x" for s, r in zip(sizes, ratios, strict=True)))
     from _common import save_json
 
     print("wrote", save_json("handoff_bandwidth", {

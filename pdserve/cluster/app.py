@@ -33,8 +33,7 @@ def handoff_config(cfg: PdserveConfig) -> HandoffConfig:
         auth_token=token, default_timeout_s=cfg.handoff.timeout_s,
         sender_staging_bytes=staging, receiver_staging_bytes=staging,
         max_piece_bytes=min(16 * MIB, staging),
-        net_devices=cfg.handoff.net_devices, same_host_reads=cfg.handoff.same_host_reads,
-        read_threads=cfg.handoff.read_threads,
+        net_devices=cfg.handoff.net_devices,
     )
 
 

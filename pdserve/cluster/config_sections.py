@@ -222,13 +222,9 @@ class HandoffSection(Section):
         None, description="UCX network devices for KV between machines (UCX_NET_DEVICES, e.g. "
         "'mlx5_0:1' or 'eth0'); default: UCX picks. Peers connect by the worker address in "
         "each ticket, so there is no listen address to set.")
-    staging_buffer_mb: int = Field(64, ge=1, description="Per-worker staging buffer for sends.")
-    same_host_reads: bool = Field(
-        True, description="Decode workers read KV straight out of a prefill worker's shared "
-        "cache on the same machine (one copy, no message per piece) instead of receiving it.")
-    read_threads: int = Field(
-        2, ge=1, le=64, description="Threads per decode worker that copy KV read from a "
-        "same-host prefill cache.")
+    staging_buffer_mb: int = Field(
+        64, ge=1, description="Per-worker staging for KV pieces in flight (sender and "
+        "receiver each).")
 
     @model_validator(mode="after")
     def _one_token_source(self) -> HandoffSection:

@@ -88,8 +88,7 @@ class DecodeWorker:
             except HandoffError as exc:
                 logger.warning("handoff for %s failed: %s", rid, exc)
                 finished = True
-                if exc.blocks_released:
-                    await self._drop_reservation(rid)
+                await self.async_engine.call(lambda: self.engine.abort(rid))
                 yield DecodeEvent(kind="handoff_failed", reason=str(exc))
                 return
             first = await self.async_engine.call(
@@ -107,7 +106,7 @@ class DecodeWorker:
         finally:
             if not finished:
                 # Cancelled (client gone) or crashed: stop the receiver writing before freeing.
-                finished = not self._stop_receiving(rid)
+                self.receiver.cancel(rid)
             await self.async_engine.close_stream(rid, abort=not finished)
 
     async def _reserve(self, request: DecodeRequest) -> ReceivedKVSlots:
@@ -127,29 +126,12 @@ class DecodeWorker:
             await asyncio.sleep(delay)  # blocks free as running requests finish
             delay = min(delay * 2, 0.1)
 
-    async def _drop_reservation(self, request_id: str) -> None:
-        if self._stop_receiving(request_id):
-            await self.async_engine.call(lambda: self.engine.abort(request_id))
-
-    def _stop_receiving(self, request_id: str) -> bool:
-        """Cancel the handoff; True when its blocks may be freed. A write UCX could still make
-        (a stalled sender) quarantines them instead: the reservation keeps holding them."""
-        assert self.receiver is not None
-        try:
-            self.receiver.cancel(request_id)
-        except HandoffError as exc:
-            if exc.blocks_released:
-                raise
-            logger.error("keeping %s's KV blocks out of use: %s", request_id, exc)
-            return False
-        return True
-
     async def kv_stats(self) -> dict[str, Any]:
         """Block and queue counts (integrity-checked on the engine thread)."""
         return asdict(await self.async_engine.call(self.engine.kv_stats))
 
     def handoff_stats(self) -> dict[str, Any]:
-        """The KV receiver's counters (pieces read, received, drained; transfers by outcome)."""
+        """The KV receiver's counters (pieces landed and drained; transfers by outcome)."""
         return {} if self.receiver is None else asdict(self.receiver.stats())
 
     def record_routing_stats(self) -> dict[str, Any]:

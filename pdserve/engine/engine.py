@@ -15,7 +15,7 @@ import torch
 
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.kv_cache import HostMemory, allocate_kv_cache
+from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_layout import NAME_BY_DTYPE, KVLayout
 from pdserve.engine.loaded_model import LoadedModel
@@ -98,9 +98,7 @@ class LLMEngine:
     Not thread-safe: one thread calls `add_request`/`step`/`abort` (workers serialize calls).
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 host_memory: HostMemory | None = None) -> None:
-        """``host_memory``: where a CPU KV cache is allocated (default: ordinary memory)."""
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         device = config.resolve_device()
         if loaded is None:
@@ -122,7 +120,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or max(
             1, int(config.kv_cache_memory_gb * 2**30) // (self.layout.block_bytes * mc.num_layers)
         )
-        self.kv_cache = allocate_kv_cache(self.layout, num_blocks, self.device, host_memory)
+        self.kv_cache = allocate_kv_cache(self.layout, num_blocks, self.device)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, loaded.fingerprint, config.enable_prefix_caching
         )

@@ -5,8 +5,6 @@ One tensor per worker: [num_layers, 2, num_blocks, block_size, num_kv_heads, hea
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from pdserve.engine.kv_layout import NAME_BY_DTYPE, KVLayout
@@ -27,30 +25,12 @@ def kv_layout_for(
     )
 
 
-# Provides a worker's host KV memory: called with a byte count, returns a uint8 CPU tensor of
-# at least that many bytes (e.g. memory a same-host peer can map, for the KV handoff).
-HostMemory = Callable[[int], torch.Tensor]
-
-
-def allocate_kv_cache(
-    layout: KVLayout, num_blocks: int, device: torch.device | str,
-    host_memory: HostMemory | None = None,
-) -> torch.Tensor:
-    """A zeroed cache of shape ``layout.cache_shape(num_blocks)`` and dtype ``layout.dtype``,
-    in memory from ``host_memory`` when given (CPU caches only)."""
+def allocate_kv_cache(layout: KVLayout, num_blocks: int,
+                      device: torch.device | str) -> torch.Tensor:
+    """A zeroed cache of shape ``layout.cache_shape(num_blocks)`` and dtype ``layout.dtype``."""
     if num_blocks <= 0:
         raise ValueError(f"num_blocks must be positive, got {num_blocks}")
-    shape = layout.cache_shape(num_blocks)
-    if host_memory is None or torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=layout.torch_dtype, device=device)
-    nbytes = kv_cache_bytes(layout, num_blocks)
-    memory = host_memory(nbytes)
-    if memory.dtype != torch.uint8 or memory.device.type != "cpu" or memory.numel() < nbytes:
-        raise ValueError(f"host memory provider gave {memory.numel()} {memory.dtype} on "
-                         f"{memory.device}, need {nbytes} uint8 bytes on cpu")
-    cache = memory[:nbytes].view(layout.torch_dtype).view(shape)
-    cache.zero_()
-    return cache
+    return torch.zeros(layout.cache_shape(num_blocks), dtype=layout.torch_dtype, device=device)
 
 
 def kv_cache_bytes(layout: KVLayout, num_blocks: int) -> int:

@@ -12,15 +12,10 @@ class HandoffError(Exception):
     """A KV handoff did not complete. ``code`` names the reason on the wire and in metrics.
 
     Whenever a receiver-side transfer ends with this error, the receiver has already stopped
-    writing into the reserved blocks (``blocks_released`` is then True): the decode worker
-    may free them at once.
+    writing into the reserved blocks: the decode worker may free them at once.
     """
 
     code = "error"
-
-    def __init__(self, message: str, *, blocks_released: bool = True) -> None:
-        super().__init__(message)
-        self.blocks_released = blocks_released
 
 
 class HandoffTimeoutError(HandoffError):
@@ -77,21 +72,10 @@ class HandoffUnknownTransferError(HandoffError):
     code = "unknown_transfer"
 
 
-_BY_CODE: dict[str, type[HandoffError]] = {
-    cls.code: cls
-    for cls in (
-        HandoffError,
-        HandoffTimeoutError,
-        HandoffDigestError,
-        HandoffLayoutError,
-        HandoffAuthError,
-        HandoffPeerGoneError,
-        HandoffCancelledError,
-        HandoffProtocolError,
-        HandoffCapacityError,
-        HandoffUnknownTransferError,
-    )
-}
+_BY_CODE: dict[str, type[HandoffError]] = {cls.code: cls for cls in (
+    HandoffError, HandoffTimeoutError, HandoffDigestError, HandoffLayoutError, HandoffAuthError,
+    HandoffPeerGoneError, HandoffCancelledError, HandoffProtocolError, HandoffCapacityError,
+    HandoffUnknownTransferError)}
 
 
 def error_from_code(code: str, message: str) -> HandoffError:

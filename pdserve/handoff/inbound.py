@@ -10,25 +10,22 @@ import concurrent.futures
 import enum
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from pdserve.engine.kv_layout import KVLayout, LayoutMismatchError
+from pdserve.handoff.digest import combine_digests
 from pdserve.handoff.errors import (
     HandoffDigestError,
     HandoffError,
     HandoffLayoutError,
     HandoffProtocolError,
 )
-from pdserve.handoff.kvcopy import combine_digests
-from pdserve.handoff.piece_plan import PieceSpec
+from pdserve.handoff.plan import PieceSpec
 from pdserve.handoff.ticket import FenceInfo
 from pdserve.handoff.wire import MAX_PIECES
-
-if TYPE_CHECKING:
-    from pdserve.handoff.source_reads import ReadSource
 
 
 class InboundState(enum.Enum):
@@ -50,12 +47,10 @@ class _Piece:
 class InboundTransfer:
     """Receiver-side record of one transfer.
 
-    ``write_lock`` is held by whoever writes into the reserved blocks from Python (staged
-    scatter), by whoever starts or ends a direct write (UCX receiving into the blocks, or a
-    read copy), and by whoever ends the transfer. Ending it (`finish`) stops new writes; the
-    blocks are released (``settled`` set, ``result`` resolved) once no direct write is in
-    flight either. Transfers that are read (``source`` set) also take it around every header
-    check and landing, which then happen on the read threads as well as on the loop.
+    ``write_lock`` is held by whoever writes into the reserved blocks (a piece's scatter out of
+    staging) and by whoever ends the transfer, so once `finish` returned nothing writes into
+    them again: a scatter checks `terminal` under the lock first. ``result`` resolves (via
+    `publish`, outside the lock) right after.
     """
 
     request_id: str
@@ -67,19 +62,14 @@ class InboundTransfer:
     deadline: float  # time.monotonic()
     max_piece_bytes: int
     instance: int
+    digest_kind: str
     state: InboundState = InboundState.RESERVED
     error: HandoffError | None = None
     session_id: int | None = None
-    sender_pid: int | None = None  # from BEGIN; meaningful when the sender is on this host
     fence_info: FenceInfo | None = None
     finished_at: float | None = None
     write_lock: threading.Lock = field(default_factory=threading.Lock)
     result: concurrent.futures.Future[FenceInfo] = field(default_factory=concurrent.futures.Future)
-    settled: threading.Event = field(default_factory=threading.Event)
-    writes_in_flight: int = 0
-    reads_offered: bool = False  # its ticket let a same-host sender offer its cache to read
-    source: ReadSource | None = None  # set: the receiver reads the pieces from the sender
-    began_in_slot: bool = False  # its sender's read slot announced it before any frame
     _pieces: dict[int, _Piece] = field(default_factory=dict)
     _announced_bytes: int = 0
     _fence: dict[str, Any] | None = None
@@ -100,26 +90,15 @@ class InboundTransfer:
     def terminal(self) -> bool:
         return self.state in (InboundState.READY, InboundState.FAILED)
 
-    @property
-    def slotted(self) -> bool:
-        """Pieces and fence are announced in a shared read slot, not by frames."""
-        return self.source is not None and self.source.slot is not None
-
-    @property
-    def num_landed(self) -> int:
-        return sum(piece.landed for piece in list(self._pieces.values()))
-
     def progress(self) -> str:
-        return (f"{self.num_landed}/{len(self._pieces)} announced pieces landed, "
+        landed = sum(piece.landed for piece in list(self._pieces.values()))
+        return (f"{landed}/{len(self._pieces)} announced pieces landed, "
                 f"{self._announced_bytes}/{self.expected_bytes} bytes announced, "
                 f"fence {'received' if self._fence else 'not received'}")
 
     # ---- header checks (each raises a HandoffError naming what is wrong) ----------------
     def accept_begin(self, session_id: int, body: dict[str, Any]) -> None:
-        """A BEGIN frame; for a transfer this session already began in its read slot, the
-        frame must say the same (a contradiction is a protocol error)."""
-        again = self.began_in_slot and session_id == self.session_id
-        if self.state is not InboundState.RESERVED and not again:
+        if self.state is not InboundState.RESERVED:
             raise HandoffProtocolError(f"transfer {self.transfer_id} already began or ended")
         if body["instance"] != self.instance:
             raise HandoffProtocolError("ticket names another receiver instance (stale ticket)")
@@ -127,61 +106,25 @@ class InboundTransfer:
             raise HandoffProtocolError(
                 f"ticket is for request {self.request_id!r}, sender says {body['request_id']!r}")
         try:
-            sender_layout = KVLayout.from_dict(body["layout"])
-            self.layout.check_matches(sender_layout)
+            self.layout.check_matches(KVLayout.from_dict(body["layout"]))
         except LayoutMismatchError as exc:
             raise HandoffLayoutError(f"refused transfer {self.transfer_id}: {exc}") from exc
         except (TypeError, ValueError) as exc:
             raise HandoffLayoutError(
                 f"refused transfer {self.transfer_id}: bad layout: {exc}") from exc
+        if body["digest"] != self.digest_kind:
+            raise HandoffLayoutError(
+                f"sender digests pieces with {body['digest']!r}, this receiver with "
+                f"{self.digest_kind!r}: prefill and decode KV must live on the same device type")
         if body["num_blocks"] != self.num_blocks:
             raise HandoffProtocolError(
                 f"sender has {body['num_blocks']} blocks, {self.num_blocks} were reserved")
-        self.sender_pid = body["pid"]
-        if not again:
-            self.session_id = session_id
-            self.state = InboundState.RECEIVING
-
-    def begin_in_slot(self, session_id: int, source: ReadSource) -> bool:
-        """BEGIN and SOURCE at once, from the sender's read slot (checked by the caller
-        against the reservation). False unless the transfer is still only reserved."""
-        if self.state is not InboundState.RESERVED or not self.reads_offered:
-            return False
-        self.session_id, self.source, self.began_in_slot = session_id, source, True
+        self.session_id = session_id
         self.state = InboundState.RECEIVING
-        return True
 
-    def accept_source(self, session_id: int, source: ReadSource) -> None:
-        """The sender offered its cache to read from (same host): before any piece. (A
-        transfer that began in its slot is checked by `check_slot_source` instead.)"""
-        self._check_sender(session_id, "SOURCE")
-        if self.source is not None or self._pieces:
-            raise HandoffProtocolError("SOURCE after pieces, or twice")
-        self.source = source
-
-    def check_slot_source(self, session_id: int, body: dict[str, Any]) -> None:
-        """The SOURCE frame of a transfer that began in its read slot: it must name that
-        slot and the same source blocks."""
-        feed = self.source.slot if self.source is not None else None
-        if session_id != self.session_id or feed is None:
-            raise HandoffProtocolError("SOURCE from a session that did not begin this transfer")
-        if body["slot"] != feed.slot or body["slot_tag"] != feed.tag:
-            raise HandoffProtocolError(
-                f"SOURCE names slot {body['slot']}, the transfer began in slot {feed.slot}")
-        ids = np.frombuffer(body["blocks"], dtype="<u4")
-        if len(ids) != len(self.source.ids) or not np.array_equal(ids, self.source.ids):
-            raise HandoffProtocolError("SOURCE lists other blocks than the slot's begin records")
-
-    def accept_piece(self, session_id: int, body: dict[str, Any], read: bool = False,
-                     slotted: bool = False) -> PieceSpec:
-        """Validate a PIECE header against the reservation; nothing is allocated before this.
-        ``read``: the sender says the receiver reads this piece itself (needs a SOURCE);
-        ``slotted``: it came from the transfer's read slot (which then must be its only way)."""
+    def accept_piece(self, session_id: int, body: dict[str, Any]) -> PieceSpec:
+        """Validate a PIECE header against the reservation; nothing is allocated before this."""
         self._check_sender(session_id, "PIECE")
-        if read != (self.source is not None):
-            raise HandoffProtocolError(
-                "piece to be read without a SOURCE" if read else "pushed piece after a SOURCE")
-        self._check_channel(slotted, "piece")
         if self._fence is not None:
             raise HandoffProtocolError("piece announced after the fence")
         index, nbytes = body["index"], body["nbytes"]
@@ -208,9 +151,8 @@ class InboundTransfer:
         self._announced_bytes += nbytes
         return spec
 
-    def accept_fence(self, session_id: int, body: dict[str, Any], slotted: bool = False) -> None:
+    def accept_fence(self, session_id: int, body: dict[str, Any]) -> None:
         self._check_sender(session_id, "FENCE")
-        self._check_channel(slotted, "fence")
         if self._fence is not None:
             raise HandoffProtocolError("second fence")
         problems = []
@@ -235,17 +177,15 @@ class InboundTransfer:
             raise HandoffProtocolError("fence rejected: " + "; ".join(problems))
         self._fence = body
 
-    def piece_digest(self, index: int) -> int:
-        return self._pieces[index].digest
-
-    def digest_error(self, spec: PieceSpec, actual: int) -> HandoffDigestError:
-        return HandoffDigestError(
-            f"piece {spec.index} (layers {spec.layer_start}-{spec.layer_end - 1}) of "
-            f"{self.request_id!r} hashes to {actual:#x}, its header said "
-            f"{self.piece_digest(spec.index):#x}")
-
-    def mark_landed(self, index: int) -> None:
-        self._pieces[index].landed = True
+    def check_landed(self, spec: PieceSpec, actual: int) -> None:
+        """A piece landed with bytes hashing to ``actual``: count it, or raise
+        `HandoffDigestError` when that is not what its header announced."""
+        expected = self._pieces[spec.index].digest
+        if actual != expected:
+            raise HandoffDigestError(
+                f"piece {spec.index} (layers {spec.layer_start}-{spec.layer_end - 1}) of "
+                f"{self.request_id!r} hashes to {actual:#x}, its header said {expected:#x}")
+        self._pieces[spec.index].landed = True
 
     def completion(self) -> FenceInfo | None:
         """The fence outcome once the fence verified and every announced piece landed."""
@@ -256,8 +196,8 @@ class InboundTransfer:
 
     def finish(self, error: HandoffError | None, now: float) -> bool:
         """End the transfer: ready (``error`` None, fence verified) or failed. The caller holds
-        ``write_lock``. Returns False when it had already ended (the first outcome stands).
-        Call `settle` once ``writes_in_flight`` is zero."""
+        ``write_lock`` and calls `publish` after releasing it. Returns False when it had
+        already ended (the first outcome stands)."""
         if self.terminal:
             return False
         self.finished_at = now
@@ -270,36 +210,13 @@ class InboundTransfer:
             self.state, self.error = InboundState.FAILED, error
         return True
 
-    def begin_direct_write(self) -> bool:
-        """Caller holds ``write_lock``: False once the transfer ended (write nothing)."""
-        if self.terminal:
-            return False
-        self.writes_in_flight += 1
-        return True
-
-    def end_direct_write(self) -> bool:
-        """Caller holds ``write_lock``: True when this was the last write of an ended
-        transfer, i.e. the caller must `settle` it now."""
-        self.writes_in_flight -= 1
-        return self.terminal and self.writes_in_flight == 0
-
-    def settle(self) -> None:
-        """Publish the outcome: nothing writes into the blocks any more. Once, after the
-        transfer ended and its last direct write did."""
-        if self.settled.is_set():
-            return
+    def publish(self) -> None:
+        """Resolve ``result`` with the outcome `finish` recorded."""
         if self.error is None:
             assert self.fence_info is not None
             self.result.set_result(self.fence_info)
         else:
             self.result.set_exception(self.error)
-        self.settled.set()
-
-    def _check_channel(self, slotted: bool, what: str) -> None:
-        if slotted != self.slotted:
-            raise HandoffProtocolError(
-                f"{what} in a read slot the SOURCE did not name" if slotted else
-                f"{what} frame for a transfer announced through its read slot")
 
     def _check_sender(self, session_id: int, what: str) -> None:
         if self.state is not InboundState.RECEIVING:

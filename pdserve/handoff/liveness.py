@@ -1,5 +1,5 @@
-"""Whether a peer process on this host still exists: the one fact UCX cannot give us over
-shared memory without endpoint error handling (a dead sender's receive just never ends).
+"""Whether a peer process on this machine still exists: a restarted or killed peer is known
+gone at once, not only after it fell silent (UCX reports nothing over shared memory).
 """
 
 from __future__ import annotations
@@ -7,8 +7,17 @@ from __future__ import annotations
 import os
 
 
+def pid_scope(host: str) -> str:
+    """Processes with equal scopes see each other's pids: the same machine and pid namespace."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = "no-pid-namespace"
+    return f"{host}/{namespace}"
+
+
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` on this host can still run (a zombie cannot)."""
+    """Whether process ``pid`` in our pid namespace can still run (a zombie cannot)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
             state = f.read().rsplit(")", 1)[1].split()[0]

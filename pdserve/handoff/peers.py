@@ -1,5 +1,6 @@
 """Sender side of a connection to one receiver worker: endpoint, authentication handshake,
-session key, heartbeats. One `PeerLink` per receiver address, shared by all transfers to it.
+session key, heartbeats, liveness. One `PeerLink` per receiver address, shared by all
+transfers to it; a restarted receiver has a new address, so it gets a new link.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pdserve.handoff import auth
@@ -17,6 +19,7 @@ from pdserve.handoff.errors import (
     HandoffError,
     HandoffPeerGoneError,
 )
+from pdserve.handoff.liveness import process_alive
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import Frame, Kind, decode, encode
 
@@ -25,10 +28,13 @@ log = logging.getLogger(__name__)
 
 class PeerLink:
     """Loop only. ``ready`` resolves once the receiver accepted our proof of the cluster token
-    (and proved it too: its WELCOME carries the session MAC), or raises a `HandoffError`."""
+    (and proved it too: its WELCOME carries the session MAC), or raises a `HandoffError`.
+    ``on_down(link)`` runs once, on the loop, when the link fails for any reason."""
 
-    def __init__(self, transport: HandoffTransport, address: bytes, host: str) -> None:
+    def __init__(self, transport: HandoffTransport, address: bytes, host: str,
+                 on_down: Callable[[PeerLink], None]) -> None:
         self._transport = transport
+        self._on_down = on_down
         self.address, self.host = address, host
         self.session_id = int.from_bytes(os.urandom(8), "little") >> 1
         self._nonce = auth.new_nonce()
@@ -37,6 +43,7 @@ class PeerLink:
         self.endpoint: Any = None
         self.last_heard = time.monotonic()
         self.dead: HandoffError | None = None
+        self.peer_pid: int | None = None  # set when the receiver is a process we can see
         self.transfers: set[Any] = set()
         self._frame_sends: set[asyncio.Task[None]] = set()
         self._ping_seq = 0
@@ -45,9 +52,12 @@ class PeerLink:
     async def _connect(self) -> None:
         timeout = self._transport.config.handshake_timeout_s
         try:
-            self.endpoint = await self._transport.open_endpoint(self.address, self.host)
-            hello = {"address": self._transport.address, "nonce": self._nonce,
-                     "host": self._transport.host}
+            self.endpoint = await self._transport.open_endpoint(
+                self.address, self.host, lambda: self.fail(HandoffPeerGoneError(
+                    "UCX reports the receiver's endpoint failed")))
+            t = self._transport
+            hello = {"address": t.address, "nonce": self._nonce, "host": t.host,
+                     "scope": t.scope, "pid": t.pid}
             await self._send_raw(encode(Kind.HELLO, self.session_id, hello, None))
             await asyncio.wait_for(asyncio.shield(self.ready), timeout)
         except TimeoutError:
@@ -81,6 +91,8 @@ class PeerLink:
         frame = decode(raw, key=self._key)  # raises WireError on a bad MAC
         self.last_heard = time.monotonic()
         if kind is Kind.WELCOME and not self.ready.done():
+            if frame.body["scope"] == self._transport.scope:
+                self.peer_pid = frame.body["pid"]
             self.ready.set_result(None)
             return None
         return None if kind is Kind.PONG else frame
@@ -105,10 +117,14 @@ class PeerLink:
     def ping_if_due(self, now: float) -> None:
         """Heartbeat, idle or not: the receiver forgets sessions that fall silent (its sender
         may have died), and a pooled link must still work for the next transfer. Declares
-        the peer gone after peer_timeout_s without an answer."""
+        the peer gone at once when its process (on this machine) exited, else after
+        peer_timeout_s without an answer."""
         if self.dead is not None or not self.ready.done():
             return
         timeout = self._transport.config.peer_timeout_s
+        if self.peer_pid is not None and not process_alive(self.peer_pid):
+            self.fail(HandoffPeerGoneError(f"receiver process {self.peer_pid} exited"))
+            return
         if now - self.last_heard > timeout:
             self.fail(HandoffPeerGoneError(f"receiver silent for over {timeout}s"))
             return
@@ -133,3 +149,4 @@ class PeerLink:
             self._connector.cancel()
         if self.endpoint is not None:
             self._transport.close_endpoint(self.endpoint)
+        self._on_down(self)

@@ -1,5 +1,5 @@
-"""Decode side: the frames a sender session sends (BEGIN, SOURCE, PIECE, FENCE, ABORT,
-PING), authenticated, checked against their reservation and routed to landing or reading.
+"""Decode side: the frames a sender session sends (BEGIN, PIECE, FENCE, ABORT, PING),
+authenticated, checked against their reservation and routed to landing. Loop only.
 """
 
 from __future__ import annotations
@@ -16,10 +16,7 @@ from pdserve.handoff.errors import (
 )
 from pdserve.handoff.inbound import InboundTransfer
 from pdserve.handoff.landing import PieceLanding
-from pdserve.handoff.piece_plan import PieceSpec
-from pdserve.handoff.read_copier import ReadCopier
 from pdserve.handoff.sessions import SenderSession, SessionTable
-from pdserve.handoff.source_reads import SourceMaps
 from pdserve.handoff.wire import (
     MAX_PIECES,
     PIECES_PER_FRAME,
@@ -32,29 +29,27 @@ from pdserve.handoff.wire import (
 )
 
 log = logging.getLogger(__name__)
-FailFn = Callable[[InboundTransfer, HandoffError, "SenderSession | None"], None]
+FailFn = Callable[[InboundTransfer, HandoffError], None]
 FinishFn = Callable[[InboundTransfer, "HandoffError | None"], bool]
 RecordFn = Callable[[InboundTransfer], None]
 # Receiver-side frame kinds (the transport routes these to `ReceiverFrames.on_frame`).
-RECEIVER_KINDS = (Kind.HELLO, Kind.PROOF, Kind.BEGIN, Kind.SOURCE, Kind.PIECE, Kind.FENCE,
+RECEIVER_KINDS = (Kind.HELLO, Kind.PROOF, Kind.BEGIN, Kind.PIECE, Kind.FENCE,
                   Kind.ABORT_TO_RECEIVER, Kind.PING)
 
 
 class ReceiverFrames:
-    """Routes a receiver's frames, on the loop thread. A bad header fails its transfer (the
-    sender is told) and a piece for no live transfer is drained; counts go into ``counts``
-    ("rejected" frames, "slotted" transfers)."""
+    """Routes a receiver's frames. A bad header fails its transfer (the sender is told) and a
+    piece for no live transfer is drained; rejected frames are counted in ``counts``."""
 
-    def __init__(self, sessions: SessionTable, sources: SourceMaps, landing: PieceLanding,
-                 copier: ReadCopier, host: str, lookup: Callable[[int], InboundTransfer | None],
-                 outcomes: tuple[FailFn, FinishFn, RecordFn], counts: dict[str, int]) -> None:
-        self._sessions, self._sources, self._host = sessions, sources, host
-        self._landing, self._copier, self._lookup = landing, copier, lookup
-        self._fail, self._finish, self._maybe_ready = outcomes
+    def __init__(self, sessions: SessionTable, landing: PieceLanding,
+                 lookup: Callable[[int], InboundTransfer | None], fail: FailFn,
+                 finish: FinishFn, maybe_ready: RecordFn, counts: dict[str, int]) -> None:
+        self._sessions, self._landing, self._lookup = sessions, landing, lookup
+        self._fail, self._finish, self._maybe_ready = fail, finish, maybe_ready
         self._counts = counts
 
     def on_frame(self, kind: Kind, raw: bytes) -> None:
-        """Loop thread: one frame of a receiver-side kind, authenticated, then routed."""
+        """One frame of a receiver-side kind, authenticated, then routed."""
         try:
             if kind is Kind.HELLO:
                 return self._sessions.on_hello(raw)
@@ -62,7 +57,7 @@ class ReceiverFrames:
                 return self._sessions.on_proof(raw)
             frame, session = self._sessions.authenticate(raw, peek(raw)[1])
         except WireError as exc:
-            self._counts["rejected"] += 1  # loop only
+            self._counts["rejected"] += 1
             log.warning("rejected a %s frame: %s", kind.name, exc)
             return None
         if kind is Kind.PING:
@@ -71,16 +66,13 @@ class ReceiverFrames:
         record = self._lookup(frame.body["tid"])
         if kind is Kind.BEGIN:
             self._on_begin(record, frame, session)
-        elif kind is Kind.SOURCE and record is not None and not record.terminal:
-            self._on_source(record, frame, session)
         elif kind is Kind.PIECE:
             self._on_pieces(record, frame, session)
         elif kind is Kind.FENCE and record is not None and not record.terminal:
             try:
-                with record.write_lock:  # read threads may be landing pieces
-                    record.accept_fence(session.session_id, frame.body)
+                record.accept_fence(session.session_id, frame.body)
             except HandoffError as exc:
-                return self._fail(record, exc, session)
+                return self._fail(record, exc)
             self._maybe_ready(record)
         elif (kind is Kind.ABORT_TO_RECEIVER and record is not None and not record.terminal
               and record.session_id == session.session_id):
@@ -91,9 +83,6 @@ class ReceiverFrames:
     def _on_begin(self, record: InboundTransfer | None, frame: Frame,
                   session: SenderSession) -> None:
         tid = frame.body["tid"]
-        if (record is not None and record.terminal and record.began_in_slot
-                and record.session_id == session.session_id):
-            return  # it began and ended through its slot before this frame arrived
         if record is None or record.terminal:
             reason = (record.error if record is not None and record.error is not None
                       else HandoffUnknownTransferError(f"no live reservation for transfer {tid}"))
@@ -101,31 +90,12 @@ class ReceiverFrames:
                                 {"tid": tid, "code": reason.code, "message": str(reason)})
             return
         try:
-            with record.write_lock:  # its slot watcher may be starting it meanwhile
-                record.accept_begin(session.session_id, frame.body)
+            record.accept_begin(session.session_id, frame.body)
         except HandoffError as exc:
-            self._fail(record, exc, session)
-            return
-        if session.host != self._host:
-            record.sender_pid = None  # another host's pid says nothing here
-
-    def _on_source(self, record: InboundTransfer, frame: Frame, session: SenderSession) -> None:
-        if record.began_in_slot:
-            try:
-                with record.write_lock:
-                    record.check_slot_source(session.session_id, frame.body)
-            except HandoffError as exc:
-                self._fail(record, exc, session)
-            return
-        try:
-            source = self._sources.source_for(session, record, frame.body)
-            with record.write_lock:
-                record.accept_source(session.session_id, source)
-            if source.slot is not None:
-                self._sources.follow(session, record, source.slot)
-                self._counts["slotted"] += 1  # loop only
-        except HandoffError as exc:
-            self._fail(record, exc, session)
+            self._fail(record, exc)
+            if record.session_id is None:  # refused before it began: tell this sender
+                self._sessions.send(session, Kind.ABORT_TO_SENDER,
+                                    {"tid": tid, "code": exc.code, "message": str(exc)})
 
     def _on_pieces(self, record: InboundTransfer | None, frame: Frame,
                    session: SenderSession) -> None:
@@ -133,49 +103,33 @@ class ReceiverFrames:
         if len(entries) > PIECES_PER_FRAME:
             if record is not None:
                 self._fail(record, HandoffProtocolError(
-                    f"{len(entries)} pieces in one frame (at most {PIECES_PER_FRAME})"), session)
+                    f"{len(entries)} pieces in one frame (at most {PIECES_PER_FRAME})"))
             return
-        to_read = []
         for entry in entries:
             try:
                 header = piece_header(entry)
             except WireError as exc:
                 if record is not None:
-                    self._fail(record, HandoffProtocolError(str(exc)), session)
+                    self._fail(record, HandoffProtocolError(str(exc)))
                 return
-            spec = self._on_piece(record, frame.body["tid"], header, session, frame.body["read"])
-            if spec is not None:
-                to_read.append(spec)
-        for spec in to_read if record is not None else ():
-            self._copier.submit(record, spec)
+            self._on_piece(record, frame.body["tid"], header, session)
 
     def _on_piece(self, record: InboundTransfer | None, tid: int, header: dict[str, Any],
-                  session: SenderSession, read: bool) -> PieceSpec | None:
-        """Check one announced piece; a pushed one is received (or drained) right away, a
-        piece to read is returned for the caller to read with the rest of its frame."""
+                  session: SenderSession) -> None:
+        """Check one announced piece; receive it (or drain it) right away."""
         index = header["index"]
-        if not 0 <= index < MAX_PIECES:
+        if not 0 <= index < MAX_PIECES or not 0 < tid < 1 << 32:
             if record is not None:
-                error = HandoffProtocolError(f"piece index {index} out of range")
-                self._fail(record, error, session)
-            return None
+                self._fail(record, HandoffProtocolError(f"piece index {index} out of range"))
+            return
         tag = data_tag(tid, index)
-        if record is None or record.terminal:
-            if not read:  # a read piece has no payload to drain
-                self._landing.drain(tid, tag)
-            return None
+        if record is None or record.terminal or record.session_id != session.session_id:
+            self._landing.drain(tid, tag, session.endpoint)
+            return
         try:
-            if read:  # read threads may be landing this transfer's pieces meanwhile
-                with record.write_lock:
-                    spec = record.accept_piece(session.session_id, header, read)
-            else:
-                spec = record.accept_piece(session.session_id, header, read)
+            spec = record.accept_piece(session.session_id, header)
         except HandoffError as exc:
-            self._fail(record, exc, session)
-            if not read:
-                self._landing.drain(tid, tag)
-            return None
-        if read:
-            return spec
-        self._landing.receive(record, spec, tag)
-        return None
+            self._fail(record, exc)
+            self._landing.drain(tid, tag, session.endpoint)
+            return
+        self._landing.receive(record, spec, tag, session.endpoint)

@@ -1,5 +1,6 @@
 """Receiver side of peer authentication: the senders that said HELLO, the challenge each got,
-their session keys once proven, and the endpoint back to each for replies. Loop only.
+their session keys once proven, and the endpoint back to each (replies, and the receives of
+their pieces). Loop only.
 """
 
 from __future__ import annotations
@@ -7,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.handoff import auth
+from pdserve.handoff.liveness import process_alive
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import Frame, Kind, WireError, decode, encode
 
@@ -26,14 +29,25 @@ class SenderSession:
     receiver_nonce: bytes
     last_seen: float
     endpoint: asyncio.Future[Any] = field(repr=False)
+    pid: int | None = None  # set when the sender is a process we can see
     key: bytes | None = None
+
+    def gone(self, now: float, timeout: float) -> str | None:
+        """Why this session's sender counts as gone, or None while it may still be alive."""
+        if self.pid is not None and not process_alive(self.pid):
+            return f"sender process {self.pid} exited"
+        if now - self.last_seen > timeout:
+            return f"sender silent for over {timeout}s"
+        return None
 
 
 class SessionTable:
-    """Sessions by id. A session is usable (its frames decode) only after a valid PROOF."""
+    """Sessions by id. A session is usable (its frames decode) only after a valid PROOF.
+    ``on_error(session_id)`` runs when UCX reports the endpoint to a sender failed."""
 
-    def __init__(self, transport: HandoffTransport) -> None:
+    def __init__(self, transport: HandoffTransport, on_error: Callable[[int], None]) -> None:
         self._transport = transport
+        self._on_error = on_error
         self._token = transport.config.auth_token
         self._sessions: dict[int, SenderSession] = {}
         self.num_refused = 0
@@ -50,8 +64,10 @@ class SessionTable:
             return  # a duplicate HELLO changes nothing
         self._evict_pending()
         loop = self._transport.loop
-        session = SenderSession(frame.session_id, frame.body["host"], frame.body["nonce"],
-                                auth.new_nonce(), time.monotonic(), loop.create_future())
+        body = frame.body
+        session = SenderSession(frame.session_id, body["host"], body["nonce"], auth.new_nonce(),
+                                time.monotonic(), loop.create_future(),
+                                body["pid"] if body["scope"] == self._transport.scope else None)
         self._sessions[session.session_id] = session
         self._transport.spawn(self._connect(session, frame.body["address"]))
         self.send(session, Kind.CHALLENGE,
@@ -59,7 +75,8 @@ class SessionTable:
 
     async def _connect(self, session: SenderSession, address: bytes) -> None:
         try:
-            endpoint = await self._transport.open_endpoint(address, session.host)
+            endpoint = await self._transport.open_endpoint(
+                address, session.host, lambda: self._on_error(session.session_id))
         except Exception as exc:  # noqa: BLE001 - an unreachable peer only loses its session
             log.warning("cannot reach sender session %x: %s", session.session_id, exc)
             self._sessions.pop(session.session_id, None)
@@ -82,7 +99,9 @@ class SessionTable:
             session.key = auth.session_key(self._token, session.session_id, session.sender_nonce,
                                            session.receiver_nonce)
             session.last_seen = time.monotonic()
-            self.send(session, Kind.WELCOME, {"instance": self._transport.instance_id})
+            t = self._transport
+            self.send(session, Kind.WELCOME,
+                      {"instance": t.instance_id, "scope": t.scope, "pid": t.pid})
             return
         self.num_refused += 1
         log.warning("refused handoff peer (session %x, host %s): wrong cluster token",
@@ -110,8 +129,10 @@ class SessionTable:
         except Exception as exc:  # noqa: BLE001 - replies are best effort; deadlines cover loss
             log.warning("could not send %s to session %x: %s", kind.name, session.session_id, exc)
 
-    def silent(self, now: float, timeout: float) -> list[int]:
-        return [s.session_id for s in self._sessions.values() if now - s.last_seen > timeout]
+    def gone(self, now: float, timeout: float) -> dict[int, str]:
+        """Sessions whose sender is gone (see `SenderSession.gone`), with the reason."""
+        reasons = {s.session_id: s.gone(now, timeout) for s in self._sessions.values()}
+        return {sid: why for sid, why in reasons.items() if why is not None}
 
     def drop(self, session_id: int) -> None:
         session = self._sessions.pop(session_id, None)

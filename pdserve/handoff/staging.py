@@ -1,11 +1,15 @@
-"""A bounded pool of reusable contiguous byte buffers (host or CUDA) for pieces in flight.
+"""A bounded pool of reusable contiguous byte buffers (host or CUDA) for pieces in flight, and
+the first-come-first-served queue in which receivers wait for them.
 
 Reuse matters: a fresh host buffer page-faults on first touch, which costs as much as the copy.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -131,3 +135,51 @@ class StagingPool:
                 f"staging pool accounting off: in use {in_use} vs {self._in_use_bytes}, "
                 f"cached {cached} vs {self._cached_bytes}"
             )
+
+
+_Waiter = tuple[int, Callable[[], bool], "asyncio.Future[torch.Tensor | None]"]
+
+
+class StagingAdmission:
+    """Grants a pool's buffers in arrival order; a waiter whose transfer ended gets None.
+    Loop only. A piece whose header was accepted waits here until the pool can hold it; its
+    sender's rendezvous send stays pending meanwhile (UCX moves nothing before a receive)."""
+
+    def __init__(self, pool: StagingPool) -> None:
+        self.pool = pool
+        self._waiting: deque[_Waiter] = deque()
+
+    async def acquire(self, nbytes: int, abandoned: Callable[[], bool]) -> torch.Tensor | None:
+        """A buffer for ``nbytes``, or None once ``abandoned()`` turns true while waiting."""
+        if not self._waiting:
+            buffer = self.pool.try_acquire(nbytes)
+            if buffer is not None:
+                return buffer
+        future: asyncio.Future[torch.Tensor | None] = asyncio.get_running_loop().create_future()
+        self._waiting.append((nbytes, abandoned, future))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            granted = future.result() if future.done() and not future.cancelled() else None
+            if granted is not None:
+                self.pool.release(granted)  # granted just as we were cancelled
+            raise
+
+    def release(self, buffer: torch.Tensor) -> None:
+        self.pool.release(buffer)
+        self.pump()
+
+    def pump(self) -> None:
+        """Hand freed space to waiters in order; call after a release or when a transfer ends."""
+        while self._waiting:
+            nbytes, abandoned, future = self._waiting[0]
+            if future.done() or abandoned():
+                self._waiting.popleft()
+                if not future.done():
+                    future.set_result(None)
+                continue
+            buffer = self.pool.try_acquire(nbytes)
+            if buffer is None:
+                return
+            self._waiting.popleft()
+            future.set_result(buffer)

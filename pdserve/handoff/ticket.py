@@ -8,9 +8,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.handoff.piece_plan import MAX_TICKET_RUNS
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -25,7 +24,8 @@ class HandoffTicket:
     - ``receiver_address``: the receiver's UCX worker address (opaque bytes).
     - ``receiver_instance``: random id of the receiver's transport; a restarted receiver has
       another one, so a stale ticket is refused instead of landing in someone else's blocks.
-    - ``receiver_host``: host identity (boot id + hostname); equal hosts use shared memory.
+    - ``receiver_host``: host identity (boot id + hostname); the sender's endpoint to an
+      equal host runs without UCX error handling, so UCX may use shared memory.
     - ``transfer_id``: 32-bit id, unique among the receiver's live and recent transfers; it is
       part of every data tag of this transfer.
     - ``num_blocks``/``num_tokens``: the blocks reserved and the prompt tokens they hold.
@@ -33,10 +33,6 @@ class HandoffTicket:
     - ``max_piece_bytes``: the largest piece the receiver will stage; the sender plans under it.
     - ``deadline``: absolute Unix time (``time.time()`` seconds) after which the receiver fails
       the transfer and the sender stops waiting.
-    - ``block_runs``: lengths of the runs of consecutive ids in the reserved blocks (in token
-      order), so the sender can plan direct pieces; empty when they are too scattered.
-    - ``reads_source``: the receiver can read the KV itself from a sender on its host whose
-      cache is in shared memory (host caches only); the sender then offers its cache.
     """
 
     request_id: str
@@ -50,8 +46,6 @@ class HandoffTicket:
     max_piece_bytes: int
     deadline: float
     layout: KVLayout
-    block_runs: tuple[int, ...] = ()
-    reads_source: bool = False
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
@@ -67,12 +61,6 @@ class HandoffTicket:
         expected = self.layout.num_local_layers * self.num_blocks * self.layout.block_bytes
         if self.expected_bytes != expected:
             raise ValueError(f"HandoffTicket.expected_bytes {self.expected_bytes} != {expected}")
-        runs = self.block_runs
-        well_typed = all(isinstance(r, int) and not isinstance(r, bool) and r > 0 for r in runs)
-        if runs and (len(runs) > MAX_TICKET_RUNS or not well_typed
-                     or sum(runs) != self.num_blocks):
-            raise ValueError(f"HandoffTicket.block_runs must be at most {MAX_TICKET_RUNS} "
-                             f"positive run lengths summing to {self.num_blocks}")
         if self.protocol_version != PROTOCOL_VERSION:
             raise ValueError(
                 f"HandoffTicket protocol version {self.protocol_version} unsupported "
@@ -82,7 +70,6 @@ class HandoffTicket:
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["layout"] = self.layout.to_dict()
-        data["block_runs"] = list(self.block_runs)
         return data
 
     @classmethod
@@ -103,14 +90,13 @@ class HandoffTicket:
         if not isinstance(values.get("receiver_address"), (bytes, bytearray)):
             raise TypeError("HandoffTicket.receiver_address must be bytes")
         values["receiver_address"] = bytes(values["receiver_address"])
+        if not isinstance(values.get("deadline"), (int, float)):
+            raise TypeError(f"HandoffTicket.deadline must be a number, got "
+                            f"{values.get('deadline')!r}")
         values["deadline"] = float(values["deadline"])
-        runs = values.get("block_runs", ())
-        if not isinstance(runs, (list, tuple)) or len(runs) > MAX_TICKET_RUNS:
-            raise TypeError(f"HandoffTicket.block_runs must be a list of at most "
-                            f"{MAX_TICKET_RUNS} ints")
-        values["block_runs"] = tuple(runs)
-        if not isinstance(values.get("reads_source", False), bool):
-            raise TypeError("HandoffTicket.reads_source must be a bool")
+        for name in ("request_id", "receiver_host"):
+            if not isinstance(values.get(name), str):
+                raise TypeError(f"HandoffTicket.{name} must be a str")
         return cls(**values)
 
 
@@ -132,9 +118,8 @@ class FenceInfo:
 class SendResult:
     """How one outbound transfer ended, once no send of it is in flight any more.
 
-    When the sender resolves this, nothing reads any buffer of the transfer any more (neither
-    UCX nor a same-host receiver copying from the exported cache): the prefill worker may
-    free or cache the source blocks. ``error`` is None on success.
+    When the sender resolves this, no send of the transfer reads any of its memory any more:
+    the prefill worker may free or cache the source blocks. ``error`` is None on success.
     """
 
     request_id: str

@@ -22,16 +22,12 @@ import torch
 
 from pdserve.handoff.config import HandoffConfig
 from pdserve.handoff.kvcopy import check_contiguous
-from pdserve.handoff.ucp_memory import PeerMemory, SharedHostMemory
+from pdserve.handoff.liveness import pid_scope
 from pdserve.handoff.wire import CONTROL_TAG, MAX_FRAME_BYTES, Kind, WireError, peek
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CONTROL_RING = 16  # control-frame receives kept posted (64 KiB each)
-# Probing for a direct piece's rendezvous: its header usually arrives just before it, so the
-# first probes come quickly, then back off to bound the CPU spent waiting on a slow sender.
-_PROBE_FIRST_DELAY_S = 50e-6
-_PROBE_MAX_DELAY_S = 2e-3
 FrameHandler = Callable[[Kind, bytes], None]
 
 
@@ -77,7 +73,9 @@ class HandoffTransport:
 
     def __init__(self, config: HandoffConfig) -> None:
         self.config = config
-        self.host = host_identity()
+        self.host = config.host_id or host_identity()
+        self.scope = pid_scope(self.host)
+        self.pid = os.getpid()
         self.instance_id = int.from_bytes(os.urandom(8), "little") >> 1
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="pdserve-handoff", daemon=True)
@@ -86,8 +84,6 @@ class HandoffTransport:
         self._shutdown_hooks: list[Callable[[], None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._endpoints: list[Any] = []
-        self._shared: list[SharedHostMemory] = []
-        self._shared_lock = threading.Lock()
         self._address = b""
         self._started = False
         self._stopped = False
@@ -216,21 +212,26 @@ class HandoffTransport:
             self._shutdown_hooks.remove(hook)
 
     # ---- UCX primitives (loop only) ----------------------------------------------------
-    async def open_endpoint(self, address: bytes, peer_host: str) -> Any:
-        """An endpoint to a peer worker; shared memory when the peer is on this host."""
+    async def open_endpoint(self, address: bytes, peer_host: str,
+                            on_error: Callable[[], None]) -> Any:
+        """An endpoint to a peer worker. Towards this host without UCX error handling (which
+        would rule out shared memory); towards other hosts with it, and ``on_error`` runs
+        (on the loop) when UCX reports the peer failed."""
         import ucxx  # type: ignore[import-untyped]
 
-        same_host = peer_host == self.host
+        local = peer_host == self.host
         endpoint = await ucxx.create_endpoint_from_worker_address(
-            ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=not same_host
-        )
+            ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=not local)
+        if not local:
+            endpoint.set_close_callback(lambda: self._loop.call_soon_threadsafe(on_error))
         self._endpoints.append(endpoint)
         return endpoint
 
     def close_endpoint(self, endpoint: Any) -> None:
+        """Close ``endpoint``; ucxx cancels the receives and sends still posted on it."""
         if endpoint in self._endpoints:
             self._endpoints.remove(endpoint)
-        endpoint.abort()
+            endpoint.abort()
 
     async def send_frame(self, endpoint: Any, frame: bytes) -> None:
         await _unpinned(endpoint.send(np.frombuffer(frame, dtype=np.uint8), tag=CONTROL_TAG,
@@ -240,83 +241,23 @@ class HandoffTransport:
                            tag: int) -> None:
         await _unpinned(endpoint.send(_ucx_buffer(buffer), tag=tag, force_tag=True))
 
-    async def recv_payload(self, buffer: torch.Tensor, tag: int) -> None:
-        import ucxx  # type: ignore[import-untyped]
+    async def recv_payload(self, endpoint: Any, buffer: torch.Tensor, tag: int) -> None:
+        """Receive the message with ``tag`` into ``buffer``, posted on the endpoint to its
+        sender, so closing that endpoint cancels the receive. A larger message raises
+        ``ucxx.exceptions.UCXMessageTruncatedError`` and lands nowhere."""
+        await _unpinned(endpoint.recv(_ucx_buffer(buffer), tag=tag, force_tag=True))
 
-        await _unpinned(ucxx.recv(_ucx_buffer(buffer), tag=tag))
-
-    async def probe(self, tag: int, give_up: Callable[[], bool]) -> Any | None:
-        """Wait for a message with ``tag`` and take it off UCX's unexpected queue without
-        receiving it (a rendezvous message's bytes stay with the sender until `recv_probed`).
-        None once ``give_up()`` is true. Nothing is posted meanwhile, so giving up leaves no
-        receive behind that could write into memory later."""
-        import ucxx  # type: ignore[import-untyped]
-
-        context = ucxx.core._get_ctx()
-        delay = 0.0
-        while not give_up():
-            info = context.tag_probe(tag, remove=True)
-            if info.matched:
-                return info
-            await asyncio.sleep(delay)
-            delay = min(_PROBE_MAX_DELAY_S, delay * 2 or _PROBE_FIRST_DELAY_S)
-        return None
-
-    def recv_probed(self, buffer: torch.Tensor | np.ndarray, probe: Any) -> asyncio.Future[Any]:
-        """Receive a probed message into ``buffer``. Returns the request's future: cancelling
-        an awaiter of it does not stop UCX writing, so callers track its end themselves."""
-        import ucxx  # type: ignore[import-untyped]
-
-        return asyncio.ensure_future(
-            _unpinned(ucxx.core._get_ctx().recv_with_handle(_ucx_buffer(buffer), probe)))
-
-    async def drain_probed(self, probe: Any) -> None:
-        """Consume a probed message into a 1-byte sink (truncated: nothing lands)."""
-        import ucxx  # type: ignore[import-untyped]
-
-        sink = np.empty(1, dtype=np.uint8)
-        with contextlib.suppress(ucxx.exceptions.UCXMessageTruncatedError):
-            await self.recv_probed(sink, probe)
-
-    def on_loop_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    # ---- memory a same-host peer can map -------------------------------------------------
-    def share_host_memory(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of zeroed host memory that same-host peers can map (a uint8 tensor).
-
-        Allocate the prefill KV cache here: receivers on this host then read its blocks
-        themselves (`HandoffSender.export_cache`). Raises `UcpMemoryError` when UCX cannot
-        allocate shared memory; callers fall back to ordinary memory. Any thread, after start.
-        """
-        if not self.running:
-            raise RuntimeError("start the handoff transport before sharing memory")
-        import ucxx  # type: ignore[import-untyped]
-
-        region = SharedHostMemory.allocate(ucxx.core._get_ctx().context.handle, nbytes)
-        with self._shared_lock:
-            self._shared.append(region)
-        return region.tensor
-
-    def shared_region(self, tensor: torch.Tensor) -> SharedHostMemory | None:
-        """The region from `share_host_memory` that holds all of ``tensor``, if any."""
-        with self._shared_lock:
-            return next((r for r in self._shared if r.contains(tensor)), None)
-
-    def map_peer_memory(self, endpoint: Any, rkey: bytes, remote_address: int,
-                        nbytes: int, writable: bool = False) -> PeerMemory:
-        """Map a same-host peer's shared memory (its rkey, over our endpoint to it);
-        read-only unless ``writable``."""
-        return PeerMemory.map(endpoint._ep.handle, rkey, remote_address, nbytes, writable)
-
-    async def drain(self, tag: int) -> None:
+    async def drain(self, endpoint: Any, tag: int) -> None:
         """Consume one message with ``tag`` into a 1-byte buffer: UCX truncates it, the sender's
         send completes, and not a byte of it lands anywhere."""
         import ucxx  # type: ignore[import-untyped]
 
         sink = np.empty(1, dtype=np.uint8)
         with contextlib.suppress(ucxx.exceptions.UCXMessageTruncatedError):
-            await _unpinned(ucxx.recv(sink, tag=tag))
+            await _unpinned(endpoint.recv(sink, tag=tag, force_tag=True))
+
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
 
     async def _control_loop(self) -> None:
         """Keep `CONTROL_RING` receives posted for control frames and handle them in order.

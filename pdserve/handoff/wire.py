@@ -23,7 +23,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from pdserve.handoff.auth import MAC_BYTES, check_mac, mac
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 MAGIC = b"PDHO"
 MAX_FRAME_BYTES = 64 * 1024
 _HEAD = struct.Struct("<4sBBHIQ")
@@ -34,8 +34,6 @@ MAX_PIECES = 1 << 16
 # A PIECE frame announces this many pieces at most, each as PIECE_FIELDS ints (~80 bytes):
 # well under MAX_FRAME_BYTES.
 PIECES_PER_FRAME = 256
-# A SOURCE frame lists the sender's block ids as little-endian uint32 (4 bytes each).
-MAX_SOURCE_BLOCKS = 12288
 PIECE_FIELDS = ("index", "layer_start", "layer_end", "kv_start", "kv_end", "block_start",
                 "block_end", "nbytes", "digest")
 
@@ -45,12 +43,12 @@ class WireError(ValueError):
 
 
 class Kind(enum.IntEnum):
-    HELLO = 1  # sender -> receiver: session id, sender address, sender nonce
+    HELLO = 1  # sender -> receiver: session id, sender address, nonce, host, pid
     CHALLENGE = 2  # receiver -> sender: receiver nonce
     PROOF = 3  # sender -> receiver: HMAC(token, nonces)
     WELCOME = 4  # receiver -> sender (MAC'd: proves the receiver holds the token too)
     REFUSED = 5  # receiver -> sender: authentication failed
-    BEGIN = 6  # sender -> receiver: transfer id, layout, block count
+    BEGIN = 6  # sender -> receiver: transfer id, layout, block count, digest kind
     PIECE = 7  # sender -> receiver: pieces' bounds, sizes and digests (up to PIECES_PER_FRAME)
     FENCE = 8  # sender -> receiver: counts, combined digest, first token
     ABORT_TO_RECEIVER = 9  # sender gives up a transfer
@@ -58,24 +56,20 @@ class Kind(enum.IntEnum):
     PING = 11
     PONG = 12
     DONE = 13  # receiver -> sender: the fence verified, the KV is ready
-    SOURCE = 14  # sender -> receiver (same host): where to read this transfer's KV itself
 
 
 UNAUTHENTICATED = frozenset({Kind.HELLO, Kind.CHALLENGE, Kind.PROOF, Kind.REFUSED})
 
 # Field name -> accepted Python type(s), per kind. Every field is required; no others allowed.
 _SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
-    Kind.HELLO: {"address": bytes, "nonce": bytes, "host": str},
+    Kind.HELLO: {"address": bytes, "nonce": bytes, "host": str, "scope": str, "pid": int},
     Kind.CHALLENGE: {"nonce": bytes, "instance": int},
     Kind.PROOF: {"proof": bytes},
-    Kind.WELCOME: {"instance": int},
+    Kind.WELCOME: {"instance": int, "scope": str, "pid": int},
     Kind.REFUSED: {"reason": str},
     Kind.BEGIN: {"tid": int, "instance": int, "request_id": str, "layout": dict, "num_blocks": int,
-                 "pid": int},
-    Kind.PIECE: {"tid": int, "pieces": list, "read": bool},
-    Kind.SOURCE: {"tid": int, "rkey": bytes, "address": int, "cache_blocks": int,
-                  "blocks": bytes, "slots_rkey": bytes, "slots_address": int, "slot": int,
-                  "slot_tag": int, "bell": int},
+                 "digest": str},
+    Kind.PIECE: {"tid": int, "pieces": list},
     Kind.FENCE: {"tid": int, "num_pieces": int, "nbytes": int, "digest": int,
                  "first_token_id": int, "num_tokens": int},
     Kind.ABORT_TO_RECEIVER: {"tid": int, "code": str, "message": str},

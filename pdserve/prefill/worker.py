@@ -10,8 +10,6 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-import torch
-
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
@@ -25,7 +23,6 @@ from pdserve.handoff import (
     OutboundTransfer,
     SendResult,
 )
-from pdserve.handoff.ucp_memory import UcpMemoryError
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
 
@@ -45,29 +42,19 @@ class PrefillWorker:
         configure_logging()
         self.transport = HandoffTransport(handoff_config).start()
         try:
-            self.engine = LLMEngine(engine_config, host_memory=self._shared_memory)
+            self.engine = LLMEngine(engine_config)
         except BaseException:
             self.transport.stop()
             raise
         self.sender = HandoffSender(self.transport, device=self.engine.device)
-        # Same-host decode workers then read finished blocks straight from this cache.
-        exported = self.sender.export_cache(self.engine.kv_cache)
         # Both touched only on the engine thread (commands and the layer hook run there).
         # Ticket and first block to send (after what the decode worker already holds).
         self._tickets: dict[str, tuple[HandoffTicket, int]] = {}
         self._transfers: dict[str, OutboundTransfer] = {}
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_transfers_failed = 0
-        logger.info("prefill worker ready: %d KV blocks of %d tokens (%s)",
-                    self.engine.kv_manager.num_blocks, self.engine.layout.block_size,
-                    "same-host decode workers read them" if exported else "pushed to decode")
-
-    def _shared_memory(self, nbytes: int) -> torch.Tensor:
-        try:
-            return self.transport.share_host_memory(nbytes)
-        except UcpMemoryError as exc:
-            logger.warning("KV cache in private memory, same-host reads off: %s", exc)
-            return torch.empty(nbytes, dtype=torch.uint8)
+        logger.info("prefill worker ready: %d KV blocks of %d tokens",
+                    self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         rid = request.request_id

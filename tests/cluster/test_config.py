@@ -288,13 +288,13 @@ def test_engine_config_carries_the_settings() -> None:
     assert problem.startswith("engine: give at most one of engine.num_kv_blocks")
 
 
-def test_handoff_read_settings_reach_the_workers_handoff_config() -> None:
+def test_handoff_settings_reach_the_workers_handoff_config() -> None:
     from pdserve.cluster.app import handoff_config
 
-    cfg = parse_config(config_with(handoff__read_threads=3, handoff__same_host_reads=False))
+    cfg = parse_config(config_with(handoff__staging_buffer_mb=8, handoff__timeout_s=7))
     built = handoff_config(cfg)
-    assert built.read_threads == 3 and built.same_host_reads is False
-    assert handoff_config(parse_config(config_with())).read_threads == 2
-    problems = problems_of(config_with(handoff__read_threads=0))
-    assert any(p.startswith("handoff.read_threads: Input should be greater than or equal to 1")
-               for p in problems), problems
+    assert built.sender_staging_bytes == built.receiver_staging_bytes == 8 << 20
+    assert built.max_piece_bytes == 8 << 20 and built.default_timeout_s == 7
+    # One data path: there is no same-host read to switch on or tune any more.
+    problems = problems_of(config_with(handoff__same_host_reads=True))
+    assert any("same_host_reads" in p for p in problems), problems

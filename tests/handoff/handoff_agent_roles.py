@@ -56,46 +56,39 @@ class Roles:
 
     # ---- setup ---------------------------------------------------------------------------
     def make_cache(self, layout: dict[str, Any], num_blocks: int, seed: int,
-                   device: str = "cpu", shared: bool = False) -> dict[str, Any]:
-        """Random KV; ``shared``: in memory same-host peers can map (what a sender exports)."""
+                   device: str = "cpu") -> dict[str, Any]:
         self.layout = KVLayout.from_dict(layout)
-        values = random_cache(self.layout, num_blocks, seed, device)
-        if shared:
-            memory = self.transport.share_host_memory(values.numel() * values.element_size())
-            self.cache = memory.view(values.dtype).view(values.shape)
-            self.cache.copy_(values)
-        else:
-            self.cache = values
+        self.cache = random_cache(self.layout, num_blocks, seed, device)
         return {"shape": list(self.cache.shape)}
 
-    def make_receiver(self, recv_delay_s: float = 0.0,
-                      corrupt_read_piece: int | None = None) -> bool:
+    def make_receiver(self, recv_delay_s: float = 0.0) -> bool:
         if self.receiver is not None:
             self.receiver.close()
         assert self.cache is not None and self.layout is not None
         self.receiver = HandoffReceiver(self.transport, self.cache, self.layout,
-                                        faults=ReceiverFaults(recv_delay_s, corrupt_read_piece))
+                                        faults=ReceiverFaults(recv_delay_s))
         return True
 
-    def make_sender(self, corrupt_piece: int | None = None, inflate_piece_bytes: int = 0,
-                    source_address_shift: int = 0,
-                    corrupt_slot_record: int | None = None,
-                    begin_frames_delay_s: float = 0.0) -> bool:
+    def make_sender(self, **faults: Any) -> bool:
         if self.sender is not None:
             self.sender.close()
         device = self.cache.device if self.cache is not None else "cpu"
-        self.sender = HandoffSender(self.transport, device=device, faults=SenderFaults(
-            corrupt_piece=corrupt_piece, inflate_piece_bytes=inflate_piece_bytes,
-            source_address_shift=source_address_shift, corrupt_slot_record=corrupt_slot_record,
-            begin_frames_delay_s=begin_frames_delay_s))
-        # A cache in shared memory is exported: same-host receivers read it themselves.
-        return self.cache is not None and self.sender.export_cache(self.cache)
+        self.sender = HandoffSender(self.transport, device=device, faults=SenderFaults(**faults))
+        return True
 
     def read(self, block_ids: list[int]) -> bytes:
         assert self.cache is not None
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device)
         picked = self.cache.index_select(2, ids).contiguous().cpu()
         return picked.view(torch.uint8).numpy().tobytes()
+
+    def blocks_digest(self, block_ids: list[int]) -> int:
+        """The device digest of these blocks' KV (gathered where the cache lives)."""
+        from pdserve.handoff.digest import device_digest
+
+        assert self.cache is not None
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device)
+        return device_digest(self.cache.index_select(2, ids).contiguous())
 
     def now(self) -> float:
         return time.monotonic()
@@ -124,27 +117,6 @@ class Roles:
         except HandoffError as exc:
             return outcome(exc)
 
-    def peer_maps_writable(self) -> dict[int, bool]:
-        """Size of each region mapped from a same-host sender -> can it be written through."""
-        assert self.receiver is not None
-        maps = self.receiver._sources._maps
-        return {peer.nbytes: bool(peer.array.flags.writeable) for regions in maps.values()
-                for peer in regions.values()}
-
-    def stall_direct_write(self, request_id: str) -> bool:
-        """Stand in for a UCX receive into the blocks that never ends (a sender stalled
-        mid-message): what the receiver's write watchdog exists for."""
-        assert self.receiver is not None
-        record = self.receiver._by_request[request_id]
-        with record.write_lock:
-            return record.begin_direct_write()
-
-    def end_stalled_write(self, request_id: str) -> bool:
-        assert self.receiver is not None
-        record = self.receiver._by_request[request_id]
-        self.receiver._landing._direct_write_ended(record)
-        return record.settled.is_set()
-
     def receiver_stats(self) -> dict[str, Any]:
         assert self.receiver is not None
         stats = asdict(self.receiver.stats())
@@ -153,13 +125,10 @@ class Roles:
 
     # ---- sender ---------------------------------------------------------------------------------
     def start(self, ticket: dict[str, Any], block_ids: list[int],
-              layers_per_piece: int | None = None, direct_min_bytes: int | None = None,
-              allow_reads: bool = True, allow_slots: bool = True) -> int:
+              layers_per_piece: int | None = None) -> int:
         assert self.sender is not None and self.layout is not None
         transfer = self.sender.start_transfer(HandoffTicket.from_dict(ticket), block_ids,
-                                              self.layout, layers_per_piece=layers_per_piece,
-                                              direct_min_bytes=direct_min_bytes,
-                                              allow_reads=allow_reads, allow_slots=allow_slots)
+                                              self.layout, layers_per_piece=layers_per_piece)
         handle = len(self.transfers)
         self.transfers[handle] = transfer
         return handle
@@ -180,13 +149,10 @@ class Roles:
         return True
 
     def push(self, tickets: list[dict[str, Any]], block_ids: list[list[int]],
-             first_token_id: int, layers_per_piece: int | None = None,
-             direct_min_bytes: int | None = None, allow_reads: bool = True,
-             allow_slots: bool = True) -> dict[str, Any]:
+             first_token_id: int, layers_per_piece: int | None = None) -> dict[str, Any]:
         """start + every layer (all transfers per layer, like one batch) + fence."""
         assert self.layout is not None
-        handles = [self.start(t, ids, layers_per_piece, direct_min_bytes, allow_reads,
-                              allow_slots)
+        handles = [self.start(t, ids, layers_per_piece)
                    for t, ids in zip(tickets, block_ids, strict=True)]
         started = self.send_layers(handles, list(range(self.layout.num_local_layers)))
         self.fence(handles, first_token_id)
@@ -207,21 +173,42 @@ class Roles:
         assert self.sender is not None
         return asdict(self.sender.stats())
 
-    def thread_names(self) -> dict[int, str]:
-        import threading
-        return {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    def spy_host_copies(self) -> bool:
+        """Count every copy of a CUDA tensor of more than 64 bytes to host memory from now on
+        (``Tensor.cpu``, ``.to`` a CPU device, ``.numpy``, ``copy_`` into a CPU tensor); a
+        digest's few sums are smaller. `host_copies` reports the count."""
+        import torch
 
-    def profile_loop(self, on: bool) -> str:
-        import cProfile
-        import io
-        import pstats
-        async def toggle() -> str:
-            if on:
-                self._prof = cProfile.Profile()
-                self._prof.enable()
-                return ""
-            self._prof.disable()
-            out = io.StringIO()
-            pstats.Stats(self._prof, stream=out).sort_stats("tottime").print_stats(40)
-            return out.getvalue()
-        return self.transport.submit(toggle()).result(10)
+        self.num_host_copies = 0
+
+        def big_cuda(tensor: torch.Tensor) -> bool:
+            return tensor.is_cuda and tensor.numel() * tensor.element_size() > 64
+
+        def counting(name: str, leaves_device: Any) -> None:
+            original = getattr(torch.Tensor, name)
+
+            def spy(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                if big_cuda(tensor) and leaves_device(tensor, *args, **kwargs):
+                    self.num_host_copies += 1
+                return original(tensor, *args, **kwargs)
+            setattr(torch.Tensor, name, spy)
+
+        def to_host(_: Any, *args: Any, **kwargs: Any) -> bool:
+            target = kwargs.get("device", args[0] if args else None)
+            return target is not None and not isinstance(target, torch.dtype) and \
+                torch.device(target).type == "cpu"
+
+        counting("cpu", lambda *_, **__: True)
+        counting("numpy", lambda *_, **__: True)
+        counting("to", to_host)
+        original_copy = torch.Tensor.copy_
+
+        def copy_spy(dst: torch.Tensor, src: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not dst.is_cuda and big_cuda(src):
+                self.num_host_copies += 1
+            return original_copy(dst, src, *args, **kwargs)
+        torch.Tensor.copy_ = copy_spy  # type: ignore[method-assign]
+        return True
+
+    def host_copies(self) -> int:
+        return self.num_host_copies

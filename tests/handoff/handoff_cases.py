@@ -30,15 +30,13 @@ def random_layout(rng: random.Random, dtype: str, **overrides: Any) -> KVLayout:
 def setup_roles(receiver: Agent, sender: Agent, layout: KVLayout, *, seed: int = 0,
                 receiver_faults: dict[str, Any] | None = None,
                 sender_faults: dict[str, Any] | None = None,
-                sender_layout: KVLayout | None = None, shared: bool = False) -> bool:
-    """Fresh caches (random bytes, different per side) and fresh roles on both agents.
-    ``shared``: the sender's cache in shared memory, exported (same-host receivers read it);
-    returns whether the sender exported it."""
+                sender_layout: KVLayout | None = None) -> None:
+    """Fresh caches (random bytes, different per side) and fresh roles on both agents."""
     receiver.call("make_cache", layout=layout.to_dict(), num_blocks=CACHE_BLOCKS, seed=seed)
     receiver.call("make_receiver", **(receiver_faults or {}))
     sender.call("make_cache", layout=(sender_layout or layout).to_dict(),
-                num_blocks=CACHE_BLOCKS, seed=seed + 1, shared=shared)
-    return sender.call("make_sender", **(sender_faults or {}))
+                num_blocks=CACHE_BLOCKS, seed=seed + 1)
+    sender.call("make_sender", **(sender_faults or {}))
 
 
 def pick_blocks(rng: random.Random, count: int, exclude: set[int] | None = None) -> list[int]:
@@ -67,7 +65,7 @@ def check_deferred_free(receiver: Agent, sender: Agent, request_id: str,
                         src: list[int]) -> None:
     """A receiver slowed by ``delay`` before each piece has the first transfer of ``pushed``
     in flight: the source blocks stay pinned until it is over, then the KV is ready and exact
-    (the deferred-free contract, whichever way the bytes move)."""
+    (the deferred-free contract)."""
     handle = pushed["handles"][0]
     time.sleep(delay / 2)  # observation point inside the receiver's delay, not a wait
     assert not sender.call("released", handle=handle), "source blocks released before the data left"
@@ -79,16 +77,15 @@ def check_deferred_free(receiver: Agent, sender: Agent, request_id: str,
     assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
 
 
-def kill_sender_midstream(receiver: Agent, doomed: Agent, request_id: str, *, shared: bool,
-                          deadline_s: float,
+def kill_sender_midstream(receiver: Agent, doomed: Agent, request_id: str, *, deadline_s: float,
                           in_flight: Callable[[list[int]], bool]) -> tuple[KVLayout, list[int],
                                                                            list[int]]:
     """``doomed`` sends half of a transfer's layers (no fence) and is killed -9 once
     ``in_flight(dst)`` holds; checks the receiver's ticket failed by its deadline with its
-    blocks released. Returns (layout, dst, src). ``shared``: a same-host read."""
+    blocks released. Returns (layout, dst, src)."""
     rng = random.Random(request_id)
     layout = random_layout(rng, "float32", num_layers=6, num_kv_heads=4, head_dim=64)
-    assert setup_roles(receiver, doomed, layout, seed=23, shared=shared) == shared
+    setup_roles(receiver, doomed, layout, seed=23)
     dst, src = pick_blocks(rng, 8), pick_blocks(rng, 8)
     reserved_at = receiver.call("now")
     ticket = reserve(receiver, request_id, dst, layout, timeout_s=deadline_s)
@@ -99,6 +96,5 @@ def kill_sender_midstream(receiver: Agent, doomed: Agent, request_id: str, *, sh
     outcome = receiver.call("wait", request_id=request_id, timeout=deadline_s + 5)
     assert not outcome["ok"] and outcome["code"] in ("peer_gone", "timeout"), outcome
     assert outcome["ended_at"] <= reserved_at + deadline_s + 0.5  # heartbeats beat the deadline
-    assert outcome["blocks_released"]
     assert not set(dst) & set(receiver.call("receiver_stats")["writable_block_ids"])
     return layout, dst, src

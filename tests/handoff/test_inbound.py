@@ -11,15 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.kv_layout import KVLayout
+from pdserve.handoff.digest import HOST_DIGEST, combine_digests
 from pdserve.handoff.errors import (
     HandoffCancelledError,
+    HandoffDigestError,
     HandoffError,
     HandoffLayoutError,
     HandoffProtocolError,
 )
 from pdserve.handoff.inbound import InboundState, InboundTransfer
-from pdserve.handoff.kvcopy import combine_digests
-from pdserve.handoff.piece_plan import plan_pieces
+from pdserve.handoff.plan import PieceSpec, plan_pieces
 
 LAYOUT = KVLayout("fp", "float16", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 SESSION = 11
@@ -28,12 +29,12 @@ SESSION = 11
 def make_record(num_blocks: int = 4, layout: KVLayout = LAYOUT) -> InboundTransfer:
     ids = tuple(range(10, 10 + num_blocks))
     return InboundTransfer("req", 77, layout, torch.tensor(ids), ids, num_blocks * 4 - 1,
-                           time.monotonic() + 10, 1 << 20, instance=5)
+                           time.monotonic() + 10, 1 << 20, instance=5, digest_kind=HOST_DIGEST)
 
 
 def begin(record: InboundTransfer, **changes: object) -> None:
     body = {"tid": 77, "instance": 5, "request_id": "req", "layout": LAYOUT.to_dict(),
-            "num_blocks": record.num_blocks, "pid": 1, **changes}
+            "num_blocks": record.num_blocks, "digest": HOST_DIGEST, **changes}
     record.accept_begin(SESSION, body)
 
 
@@ -60,30 +61,19 @@ def test_a_complete_transfer_becomes_ready_only_after_every_piece_landed() -> No
     headers = [piece(0, [0, 2], [0, 4], digest=1), piece(1, [2, 3], [0, 4], digest=2)]
     record.accept_fence(SESSION, fence_for(record, headers))
     assert record.completion() is None
-    record.mark_landed(0)
+    with pytest.raises(HandoffDigestError, match="piece 0 .* hashes to 0x7"):
+        record.check_landed(PieceSpec(0, 0, 2, 0, 4), 7)  # not what its header said
+    record.check_landed(PieceSpec(0, 0, 2, 0, 4), 1)
     assert record.completion() is None
-    record.mark_landed(1)
+    record.check_landed(PieceSpec(1, 2, 3, 0, 4), 2)
     info = record.completion()
     assert info is not None and info.first_token_id == 42 and info.num_pieces == 2
     assert record.finish(None, time.monotonic()) and record.state is InboundState.READY
     # The first outcome stands.
     assert not record.finish(HandoffCancelledError("late"), time.monotonic())
-    assert not record.result.done()  # published only by settle()
-    record.settle()
-    assert record.result.result(0) == info and record.settled.is_set()
-
-
-def test_an_ended_transfer_settles_only_after_its_last_direct_write() -> None:
-    record = make_record()
-    begin(record)
-    assert record.begin_direct_write() and record.begin_direct_write()
-    assert record.finish(HandoffCancelledError("client left"), time.monotonic())
-    assert not record.begin_direct_write()  # nothing new starts once it ended
-    assert not record.end_direct_write()  # one write still running: not yet
-    assert record.end_direct_write()  # the last one: the caller settles now
-    record.settle()
-    with pytest.raises(HandoffCancelledError):
-        record.result.result(0)
+    assert not record.result.done()  # published only by publish()
+    record.publish()
+    assert record.result.result(0) == info
 
 
 def test_layout_mismatch_names_the_field() -> None:
@@ -98,6 +88,7 @@ def test_layout_mismatch_names_the_field() -> None:
     ({"request_id": "someone-else"}, "ticket is for request"),
     ({"num_blocks": 5}, "5 blocks, 4 were reserved"),
     ({"layout": {"dtype": "float16"}}, "bad layout"),
+    ({"digest": "modp31x3"}, "same device type"),
 ])
 def test_begin_refusals(changes: dict, reason: str) -> None:
     with pytest.raises(HandoffError, match=reason):
@@ -169,7 +160,7 @@ def test_every_plan_is_accepted_and_covers_everything(num_blocks: int, num_layer
     record.max_piece_bytes = max_piece
     record.accept_begin(SESSION, {"tid": 77, "instance": 5, "request_id": "req",
                                   "layout": layout.to_dict(), "num_blocks": num_blocks,
-                                  "pid": 1})
+                                  "digest": HOST_DIGEST})
     headers = [piece(s.index, [s.layer_start, s.layer_end], [s.block_start, s.block_end],
                      layout, digest=s.index) for s in plan]
     record.accept_fence(SESSION, fence_for(record, headers))

@@ -25,8 +25,7 @@ from pdserve.handoff.wire import (
 )
 
 KEY = auth.session_key("secret", 7, b"s" * 16, b"r" * 16)
-PIECE = {"tid": 9, "pieces": [piece_entry(2, (0, 1), (0, 2), (0, 3), 4096, 123)],
-         "read": False}
+PIECE = {"tid": 9, "pieces": [piece_entry(2, (0, 1), (0, 2), (0, 3), 4096, 123)]}
 
 
 def test_signed_frame_round_trips() -> None:
@@ -55,7 +54,8 @@ def test_authenticated_kinds_need_a_key_both_ways() -> None:
     raw = encode(Kind.PING, 1, {"seq": 1}, KEY)
     with pytest.raises(WireError, match="without a session"):
         decode(raw, None)
-    hello = encode(Kind.HELLO, 1, {"address": b"a", "nonce": b"n", "host": "h"}, None)
+    hello = encode(Kind.HELLO, 1, {"address": b"a", "nonce": b"n", "host": "h",
+                                      "scope": "h/ns", "pid": 7}, None)
     assert decode(hello, None).body["host"] == "h"
 
 

@@ -1,46 +1,50 @@
-"""Prefill side, loop thread: one task per transfer that sends BEGIN (and SOURCE for a
-same-host read), announces and sends its pieces in order as the compute thread queues them,
-then the fence.
+"""Prefill side, loop thread: one task per transfer that sends BEGIN, announces and sends its
+pieces in order as the compute thread queues them, then the fence.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 
 import torch
 
+from pdserve.handoff.digest import combine_digests, digest, digest_kind
 from pdserve.handoff.errors import HandoffError, HandoffPeerGoneError
 from pdserve.handoff.faults import SenderFaults
-from pdserve.handoff.kvcopy import combine_digests, digest
 from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
 from pdserve.handoff.peers import PeerLink
-from pdserve.handoff.piece_plan import PieceSpec
+from pdserve.handoff.plan import PieceSpec
 from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import PIECES_PER_FRAME, Kind, data_tag, piece_entry
 
+Record = tuple[PieceSpec, int, int]  # spec, byte count, digest
+
 
 class PiecePump:
-    """Runs transfers' pumps on the handoff loop. Staging buffers go back to ``pool`` once
-    their send ended (quarantined if a cancelled send may still be read); ``on_sent(transfer)``
-    runs after each payload send, for the sender to see whether the transfer is over."""
+    """Announces and sends one transfer's pieces. Every announced piece is sent, even after an
+    abort (the receiver drains it), so the receiver never waits on a piece that cannot come;
+    ``on_sent(transfer)`` runs after each payload send, for the sender to see whether the
+    transfer is over."""
 
     def __init__(self, transport: HandoffTransport, pool: StagingPool, faults: SenderFaults,
                  on_sent: Callable[[OutboundTransfer], None]) -> None:
         self._transport, self._pool, self._faults = transport, pool, faults
         self._on_sent = on_sent
-        self.num_begun_in_slot = 0  # transfers whose receiver needed no BEGIN/SOURCE frames
 
     async def run(self, transfer: OutboundTransfer, link: PeerLink) -> None:
-        """Announce and send pieces in order, then the fence. Exits on fence or on error."""
+        """BEGIN, then pieces in order, then the fence. Exits on fence or on error."""
         try:
             await link.ready
-            if self._faults.begin_frames_delay_s:
-                await asyncio.sleep(self._faults.begin_frames_delay_s)
-            self._begin(transfer, link)
-            records: list[tuple[PieceSpec, int, int]] = []
+            ticket = transfer.ticket
+            link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
+                                   "request_id": ticket.request_id,
+                                   "layout": transfer.layout.to_dict(),
+                                   "num_blocks": ticket.num_blocks,
+                                   "digest": digest_kind(self._pool.device)})
+            transfer.begun = True
+            records: list[Record] = []
             while transfer.error is None:
                 pieces, last = await self._next_items(transfer)
                 if transfer.error is not None:
@@ -50,30 +54,16 @@ class PiecePump:
                 if pieces:
                     records.extend(await self._announce(transfer, link, pieces))
                 if isinstance(last, FenceRequest):
-                    if transfer.slot is None:  # else the fence went into the slot
-                        link.send(Kind.FENCE, self._fence_body(transfer, last, records))
+                    link.send(Kind.FENCE, {
+                        "tid": transfer.transfer_id, "num_pieces": len(records),
+                        "nbytes": sum(r[1] for r in records), "digest": combine_digests(records),
+                        "first_token_id": last.first_token_id,
+                        "num_tokens": transfer.ticket.num_tokens})
                     break
                 if last is None and not pieces:
                     break  # woken to stop
         except HandoffError as exc:
             transfer.fail(exc)
-
-    def _begin(self, transfer: OutboundTransfer, link: PeerLink) -> None:
-        """BEGIN and, for a same-host read, SOURCE; neither when the receiver already
-        started the transfer from its slot's begin records (it left its mark there)."""
-        ticket = transfer.ticket
-        transfer.begun = True
-        if transfer.slot is not None and transfer.slot.claimed_by(ticket.receiver_instance):
-            self.num_begun_in_slot += 1  # loop only
-            return
-        link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
-                               "request_id": ticket.request_id,
-                               "layout": transfer.layout.to_dict(),
-                               "num_blocks": ticket.num_blocks, "pid": os.getpid()})
-        if transfer.source is not None:
-            link.send(Kind.SOURCE, transfer.source.source_body(
-                ticket.transfer_id, transfer.block_ids, transfer.slot,
-                self._faults.source_address_shift))
 
     @staticmethod
     async def _next_items(transfer: OutboundTransfer,
@@ -90,7 +80,7 @@ class PiecePump:
         return pieces, item
 
     async def _announce(self, transfer: OutboundTransfer, link: PeerLink,
-                        pieces: list[ReadyPiece]) -> list[tuple[PieceSpec, int, int]]:
+                        pieces: list[ReadyPiece]) -> list[Record]:
         """One PIECE frame for ``pieces``, then their payload sends."""
         records, entries, views = [], [], []
         for position, piece in enumerate(pieces):
@@ -101,12 +91,7 @@ class PiecePump:
                 for unsent in pieces[:position] + pieces[position + 1:]:
                     self.release(unsent)
                 raise
-            view = piece.payload
-            if self._faults.corrupt_piece == spec.index and view is not None:
-                # After hashing: what a flipped bit on the wire looks like (on a copy when the
-                # piece is the cache's own rows, which must stay intact).
-                view = view.copy() if piece.buffer is None else view
-                view[nbytes // 2] ^= 0xFF
+            view = self._faulty(piece, nbytes)
             claimed = nbytes + (self._faults.inflate_piece_bytes if spec.index == 0 else 0)
             entries.append(piece_entry(spec.index, (spec.layer_start, spec.layer_end),
                                        (spec.kv_start, spec.kv_end),
@@ -114,13 +99,7 @@ class PiecePump:
                                        piece_digest))
             records.append((spec, nbytes, piece_digest))
             views.append(view)
-        reads = transfer.source is not None
-        link.send(Kind.PIECE, {"tid": transfer.transfer_id, "pieces": entries, "read": reads})
-        if reads:  # the receiver copies them from the exported cache
-            transfer.bytes_sent += sum(record[1] for record in records)
-            transfer.pieces_sent += len(records)
-            return records
-        # Every announced piece is sent, even after an abort: the receiver drains it.
+        link.send(Kind.PIECE, {"tid": transfer.transfer_id, "pieces": entries})
         for piece, view in zip(pieces, views, strict=True):
             tag = data_tag(transfer.transfer_id, piece.spec.index)
             task = self._transport.spawn(self._transport.send_payload(link.endpoint, view, tag))
@@ -128,8 +107,18 @@ class PiecePump:
             task.add_done_callback(lambda done, p=piece: self._sent(transfer, p, done))
         return records
 
+    def _faulty(self, piece: ReadyPiece, nbytes: int) -> torch.Tensor:
+        """The bytes to send: the piece, or (tests) a corrupted or padded version of it."""
+        view = piece.payload
+        if self._faults.corrupt_piece == piece.spec.index:
+            view[nbytes // 2] ^= 0xFF  # after hashing: a bit flip on the wire
+        if self._faults.pad_piece_bytes and piece.spec.index == 0:
+            view = piece.buffer[:min(piece.buffer.numel(), nbytes + self._faults.pad_piece_bytes)]
+        return view
+
     async def _digest(self, piece: ReadyPiece) -> int:
-        """The digest taken during the gather, or (CUDA) one taken now off the loop."""
+        """The digest taken during the gather, or (CUDA) one taken now on the device, off the
+        loop, once the gather's event completed."""
         if piece.digest is not None:
             return piece.digest
         job = asyncio.ensure_future(self._transport.run_payload(_wait_and_digest,
@@ -145,10 +134,7 @@ class PiecePump:
         """Bookkeeping of one payload send (a callback: runs even if cancelled unstarted)."""
         transfer.sends.discard(task)
         if task.cancelled():
-            # The peer may still read it: never reuse a staging buffer. (A direct piece's
-            # rows go back to the engine; a dead or late peer can read them, never write.)
-            if piece.buffer is not None:
-                self._pool.quarantine(piece.buffer)
+            self._pool.quarantine(piece.buffer)  # the peer may still read it: never reuse
         elif task.exception() is not None:
             self.release(piece)
             transfer.fail(HandoffPeerGoneError(
@@ -160,14 +146,7 @@ class PiecePump:
         self._on_sent(transfer)
 
     def release(self, piece: ReadyPiece) -> None:
-        if piece.buffer is not None:
-            self._pool.release(piece.buffer)
-
-    def _fence_body(self, transfer: OutboundTransfer, fence: FenceRequest,
-                    records: list[tuple[PieceSpec, int, int]]) -> dict[str, object]:
-        return {"tid": transfer.transfer_id, "num_pieces": len(records),
-                "nbytes": sum(r[1] for r in records), "digest": combine_digests(records),
-                "first_token_id": fence.first_token_id, "num_tokens": transfer.ticket.num_tokens}
+        self._pool.release(piece.buffer)
 
 
 def _wait_and_digest(view: torch.Tensor, event: object) -> int:
