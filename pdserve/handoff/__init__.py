@@ -18,7 +18,7 @@ Typical use (one `HandoffTransport` per process, started once):
 """
 
 from pdserve.handoff.config import HandoffConfig
-from pdserve.handoff.contract import KVReceiver, KVSender, OutboundHandle
+from pdserve.handoff.contract import KVReceiver, KVSender
 from pdserve.handoff.errors import (
     HandoffAuthError,
     HandoffCancelledError,
@@ -42,6 +42,6 @@ __all__ = [
     "HandoffConfig", "HandoffDigestError", "HandoffError", "HandoffLayoutError",
     "HandoffPeerGoneError", "HandoffProtocolError", "HandoffReceiver", "HandoffSender",
     "HandoffTicket", "HandoffTimeoutError", "HandoffTransport", "HandoffUnknownTransferError",
-    "KVReceiver", "KVSender", "OutboundHandle", "OutboundTransfer", "ReceiverStats",
+    "KVReceiver", "KVSender", "OutboundTransfer", "ReceiverStats",
     "SendResult", "SenderStats",
 ]

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.handoff.ticket import FenceInfo, HandoffTicket, SendResult
+from pdserve.handoff.outbound import OutboundTransfer
+from pdserve.handoff.ticket import FenceInfo, HandoffTicket
 
 
 class KVReceiver(ABC):
@@ -78,23 +79,25 @@ class KVSender(ABC):
 
     @abstractmethod
     def start_transfer(self, ticket: HandoffTicket, block_ids: Sequence[int],
-                       layout: KVLayout) -> OutboundHandle:
+                       layout: KVLayout) -> OutboundTransfer:
         """Begin the handoff of ``block_ids`` (this worker's blocks, in the request's token
-        order, as many as the ticket reserved) into the ticket's reservation."""
+        order, as many as the ticket reserved) into the ticket's reservation. The transfer's
+        ``released`` future resolves with a `SendResult` once no send reads those blocks any
+        more and the outcome is known (``SendResult.ok``: the receiver verified the fence)."""
 
     @abstractmethod
     def send_layer(self, cache: torch.Tensor, layer: int,
-                   transfers: Sequence[OutboundHandle]) -> None:
+                   transfers: Sequence[OutboundTransfer]) -> None:
         """Compute thread, right after layer ``layer`` (local index) of ``cache`` was written:
         take that layer's blocks of every transfer in ``transfers`` (each layer once)."""
 
     @abstractmethod
-    def send_fence(self, transfer: OutboundHandle, first_token_id: int) -> None:
+    def send_fence(self, transfer: OutboundTransfer, first_token_id: int) -> None:
         """After every layer was sent: close the transfer with the first sampled token. A
         fence before every layer fails the transfer."""
 
     @abstractmethod
-    def cancel(self, transfer: OutboundHandle, reason: str = "cancelled") -> None:
+    def cancel(self, transfer: OutboundTransfer, reason: str = "cancelled") -> None:
         """Give the transfer up (the receiver is told); ``released`` still resolves only
         after its in-flight sends ended."""
 
@@ -102,10 +105,3 @@ class KVSender(ABC):
     def close(self) -> None:
         """Abort every transfer and drop every link."""
 
-
-class OutboundHandle(ABC):
-    """What `KVSender.start_transfer` returns."""
-
-    released: concurrent.futures.Future[SendResult]
-    """Resolves with a `SendResult` once no send of the transfer reads its source blocks any
-    more and its outcome is known (``SendResult.ok``: the receiver verified the fence)."""

@@ -17,7 +17,6 @@ from pdserve.handoff.errors import (
     HandoffPeerGoneError,
     HandoffProtocolError,
 )
-from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundTransfer
 from pdserve.handoff.kvcopy import piece_view, scatter_piece
 from pdserve.handoff.plan import PieceSpec
@@ -36,10 +35,10 @@ class PieceLanding:
     transfer so a failed transfer's leftovers can be reaped."""
 
     def __init__(self, transport: HandoffTransport, cache: torch.Tensor, pool: StagingPool,
-                 faults: ReceiverFaults, fail: FailFn, landed: RecordFn) -> None:
+                 fail: FailFn, landed: RecordFn) -> None:
         self._transport, self._cache, self._pool = transport, cache, pool
         self._admission = StagingAdmission(pool)
-        self._faults, self._fail, self._landed = faults, fail, landed
+        self._fail, self._landed = fail, landed
         self._tasks: dict[int, set[asyncio.Task[None]]] = {}
         self.num_drained = 0
         self.num_landed = 0
@@ -94,8 +93,6 @@ class PieceLanding:
             return await self._drain(tag, endpoint)
         view = buffer[:nbytes]
         try:
-            if self._faults.recv_delay_s:
-                await asyncio.sleep(self._faults.recv_delay_s)
             await self._transport.recv_payload(await endpoint, view, tag)
         except asyncio.CancelledError:
             self._pool.quarantine(buffer)  # UCX may still write into it

@@ -19,7 +19,6 @@ import torch
 import xxhash
 
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.handoff.contract import OutboundHandle
 from pdserve.handoff.errors import HandoffCapacityError, HandoffError, HandoffProtocolError
 from pdserve.handoff.kvcopy import (
     byte_rows,
@@ -50,7 +49,7 @@ class FenceRequest:
 
 
 @dataclass(eq=False)
-class OutboundTransfer(OutboundHandle):
+class OutboundTransfer:
     """Prefill-side handle of one transfer (made by `HandoffSender.start_transfer`).
 
     Deferred free: ``released`` resolves with a `SendResult` only when no send of this

@@ -11,7 +11,6 @@ import torch
 
 from pdserve.handoff.digest import combine_digests, digest, digest_kind
 from pdserve.handoff.errors import HandoffError, HandoffPeerGoneError
-from pdserve.handoff.faults import SenderFaults
 from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
 from pdserve.handoff.peers import PeerLink
 from pdserve.handoff.plan import PieceSpec
@@ -28,9 +27,9 @@ class PiecePump:
     ``on_sent(transfer)`` runs after each payload send, for the sender to see whether the
     transfer is over."""
 
-    def __init__(self, transport: HandoffTransport, pool: StagingPool, faults: SenderFaults,
+    def __init__(self, transport: HandoffTransport, pool: StagingPool,
                  on_sent: Callable[[OutboundTransfer], None]) -> None:
-        self._transport, self._pool, self._faults = transport, pool, faults
+        self._transport, self._pool = transport, pool
         self._on_sent = on_sent
 
     async def run(self, transfer: OutboundTransfer, link: PeerLink) -> None:
@@ -82,7 +81,7 @@ class PiecePump:
     async def _announce(self, transfer: OutboundTransfer, link: PeerLink,
                         pieces: list[ReadyPiece]) -> list[Record]:
         """One PIECE frame for ``pieces``, then their payload sends."""
-        records, entries, views = [], [], []
+        records, entries = [], []
         for position, piece in enumerate(pieces):
             spec, nbytes = piece.spec, piece.spec.nbytes(transfer.layout)
             try:
@@ -91,30 +90,19 @@ class PiecePump:
                 for unsent in pieces[:position] + pieces[position + 1:]:
                     self.release(unsent)
                 raise
-            view = self._faulty(piece, nbytes)
-            claimed = nbytes + (self._faults.inflate_piece_bytes if spec.index == 0 else 0)
             entries.append(piece_entry(spec.index, (spec.layer_start, spec.layer_end),
                                        (spec.kv_start, spec.kv_end),
-                                       (spec.block_start, spec.block_end), claimed,
+                                       (spec.block_start, spec.block_end), nbytes,
                                        piece_digest))
             records.append((spec, nbytes, piece_digest))
-            views.append(view)
         link.send(Kind.PIECE, {"tid": transfer.transfer_id, "pieces": entries})
-        for piece, view in zip(pieces, views, strict=True):
+        for piece in pieces:
             tag = data_tag(transfer.transfer_id, piece.spec.index)
-            task = self._transport.spawn(self._transport.send_payload(link.endpoint, view, tag))
+            task = self._transport.spawn(self._transport.send_payload(link.endpoint,
+                                                                      piece.payload, tag))
             transfer.sends.add(task)
             task.add_done_callback(lambda done, p=piece: self._sent(transfer, p, done))
         return records
-
-    def _faulty(self, piece: ReadyPiece, nbytes: int) -> torch.Tensor:
-        """The bytes to send: the piece, or (tests) a corrupted or padded version of it."""
-        view = piece.payload
-        if self._faults.corrupt_piece == piece.spec.index:
-            view[nbytes // 2] ^= 0xFF  # after hashing: a bit flip on the wire
-        if self._faults.pad_piece_bytes and piece.spec.index == 0:
-            view = piece.buffer[:min(piece.buffer.numel(), nbytes + self._faults.pad_piece_bytes)]
-        return view
 
     async def _digest(self, piece: ReadyPiece) -> int:
         """The digest taken during the gather, or (CUDA) one taken now on the device, off the

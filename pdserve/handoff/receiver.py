@@ -25,7 +25,6 @@ from pdserve.handoff.errors import (
     HandoffTimeoutError,
     HandoffUnknownTransferError,
 )
-from pdserve.handoff.faults import ReceiverFaults
 from pdserve.handoff.inbound import InboundState, InboundTransfer
 from pdserve.handoff.landing import PieceLanding
 from pdserve.handoff.receiver_frames import RECEIVER_KINDS, ReceiverFrames
@@ -55,8 +54,8 @@ class HandoffReceiver(KVReceiver):
     """Owns reservations into one KV cache tensor (``layout.cache_shape(num_blocks)``) and
     implements `KVReceiver` (the contract: who owns the blocks when)."""
 
-    def __init__(self, transport: HandoffTransport, cache: torch.Tensor, layout: KVLayout,
-                 *, faults: ReceiverFaults | None = None) -> None:
+    def __init__(self, transport: HandoffTransport, cache: torch.Tensor,
+                 layout: KVLayout) -> None:
         expected = layout.cache_shape(cache.shape[2]) if cache.dim() == 6 else None
         if tuple(cache.shape) != expected or cache.dtype != layout.torch_dtype:
             raise ValueError(f"cache {tuple(cache.shape)}/{cache.dtype} does not match layout "
@@ -66,8 +65,8 @@ class HandoffReceiver(KVReceiver):
         self._transport, self._cache, self._layout = transport, cache, layout
         self._config = transport.config
         self._pool = StagingPool(self._config.receiver_staging_bytes, cache.device)
-        self._landing = PieceLanding(transport, cache, self._pool, faults or ReceiverFaults(),
-                                     self._fail, self._maybe_ready)
+        self._landing = PieceLanding(transport, cache, self._pool, self._fail,
+                                     self._maybe_ready)
         self._sessions = SessionTable(transport, self._session_failed)
         self._lock = threading.Lock()  # guards the three registries below
         self._by_request: dict[str, InboundTransfer] = {}

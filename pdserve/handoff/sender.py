@@ -21,7 +21,6 @@ from pdserve.handoff.errors import (
     HandoffTimeoutError,
     error_from_code,
 )
-from pdserve.handoff.faults import SenderFaults
 from pdserve.handoff.kvcopy import cache_rows
 from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
 from pdserve.handoff.peers import PeerLink
@@ -53,8 +52,8 @@ class HandoffSender(KVSender):
     network never blocks compute.
     """
 
-    def __init__(self, transport: HandoffTransport, *, device: torch.device | str = "cpu",
-                 faults: SenderFaults | None = None) -> None:
+    def __init__(self, transport: HandoffTransport, *,
+                 device: torch.device | str = "cpu") -> None:
         """``device``: where the KV cache lives (staging buffers are allocated there)."""
         self._transport = transport
         self._config = transport.config
@@ -65,8 +64,7 @@ class HandoffSender(KVSender):
         self._counts = {"ok": 0, "failed": 0}
         self._heartbeat: asyncio.Task[None] | None = None
         self._last_rows: tuple[object, np.ndarray] | None = None  # see _rows_of
-        self._pump = PiecePump(transport, self._pool, faults or SenderFaults(),
-                               self._maybe_release)
+        self._pump = PiecePump(transport, self._pool, self._maybe_release)
         transport.register(_ROLE_KINDS, self._on_frame)
         transport.on_shutdown(self._on_shutdown)
         transport.call_soon(self._start_heartbeats)
@@ -89,7 +87,7 @@ class HandoffSender(KVSender):
         return transfer
 
     def send_layer(self, cache: torch.Tensor, layer: int,
-                   transfers: Sequence[OutboundTransfer]) -> None:  # type: ignore[override]
+                   transfers: Sequence[OutboundTransfer]) -> None:
         if cache.device != self._pool.device:
             raise ValueError(f"cache on {cache.device}, sender staging on {self._pool.device}: "
                              f"construct HandoffSender(transport, device=cache.device)")
@@ -106,12 +104,12 @@ class HandoffSender(KVSender):
             last = self._last_rows = (key, cache_rows(cache, layout))
         return last[1]
 
-    def send_fence(self, transfer: OutboundTransfer,  # type: ignore[override]
+    def send_fence(self, transfer: OutboundTransfer,
                    first_token_id: int) -> None:
         transfer.request_fence()
         self._transport.call_soon(self._enqueue, transfer, FenceRequest(first_token_id))
 
-    def cancel(self, transfer: OutboundTransfer,  # type: ignore[override]
+    def cancel(self, transfer: OutboundTransfer,
                reason: str = "cancelled by the prefill worker") -> None:
         self._transport.call_soon(self._abort, transfer, HandoffCancelledError(reason))
 

@@ -4,7 +4,7 @@ the fence outcome a ready transfer resolves with, and the sender's completion re
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pdserve.engine.kv_layout import KVLayout
@@ -109,9 +109,6 @@ class FenceInfo:
     num_tokens: int
     num_bytes: int
     num_pieces: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)

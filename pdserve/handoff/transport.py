@@ -158,12 +158,6 @@ class HandoffTransport:
         except Exception as exc:  # noqa: BLE001 - leaked references must never block exit
             log.warning("ucxx.reset() incomplete: %s", str(exc)[:3000])
 
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # ---- identity and scheduling ------------------------------------------------------
     @property
     def address(self) -> bytes:
@@ -173,10 +167,6 @@ class HandoffTransport:
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
-
-    @property
-    def running(self) -> bool:
-        return self._started and not self._stopped
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
@@ -255,9 +245,6 @@ class HandoffTransport:
         sink = np.empty(1, dtype=np.uint8)
         with contextlib.suppress(ucxx.exceptions.UCXMessageTruncatedError):
             await _unpinned(endpoint.recv(sink, tag=tag, force_tag=True))
-
-    def on_loop_thread(self) -> bool:
-        return threading.current_thread() is self._thread
 
     async def _control_loop(self) -> None:
         """Keep `CONTROL_RING` receives posted for control frames and handle them in order.

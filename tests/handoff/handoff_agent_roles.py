@@ -10,6 +10,7 @@ from dataclasses import asdict, fields
 from typing import Any
 
 import torch
+from handoff_faults import clear_faults, install_receiver_faults, install_sender_faults
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff import (
@@ -20,7 +21,6 @@ from pdserve.handoff import (
     HandoffTransport,
     OutboundTransfer,
 )
-from pdserve.handoff.faults import ReceiverFaults, SenderFaults
 
 
 def outcome(value: Any) -> dict[str, Any]:
@@ -61,19 +61,24 @@ class Roles:
         self.cache = random_cache(self.layout, num_blocks, seed, device)
         return {"shape": list(self.cache.shape)}
 
-    def make_receiver(self, recv_delay_s: float = 0.0) -> bool:
+    def make_receiver(self, **faults: Any) -> bool:
+        """A fresh receiver; ``faults``: see `handoff_faults` (an agent plays one role)."""
         if self.receiver is not None:
             self.receiver.close()
         assert self.cache is not None and self.layout is not None
-        self.receiver = HandoffReceiver(self.transport, self.cache, self.layout,
-                                        faults=ReceiverFaults(recv_delay_s))
+        clear_faults()
+        install_receiver_faults(**faults)
+        self.receiver = HandoffReceiver(self.transport, self.cache, self.layout)
         return True
 
     def make_sender(self, **faults: Any) -> bool:
+        """A fresh sender; ``faults``: see `handoff_faults`."""
         if self.sender is not None:
             self.sender.close()
         device = self.cache.device if self.cache is not None else "cpu"
-        self.sender = HandoffSender(self.transport, device=device, faults=SenderFaults(**faults))
+        clear_faults()
+        install_sender_faults(**faults)
+        self.sender = HandoffSender(self.transport, device=device)
         return True
 
     def read(self, block_ids: list[int]) -> bytes:
