@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MIB = 1 << 20
 
@@ -38,7 +37,6 @@ class HandoffConfig:
     ucx_tls: str | None = None
     net_devices: str | None = None
     host_id: str | None = None
-    extra_ucx_options: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.auth_token:
@@ -67,5 +65,4 @@ class HandoffConfig:
                    "TLS": self.ucx_tls or "^cma"}
         if self.net_devices:
             options["NET_DEVICES"] = self.net_devices
-        options.update(self.extra_ucx_options)
         return options

@@ -17,6 +17,7 @@ Block ownership during one transfer:
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -56,8 +57,6 @@ class KVReceiver(ABC):
 
     async def wait_ready_async(self, request_id: str, timeout: float | None = None) -> FenceInfo:
         """`wait_ready` for asyncio code (any event loop)."""
-        import asyncio
-
         future = asyncio.wrap_future(self.ready_future(request_id))
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)
@@ -89,7 +88,7 @@ class KVSender(ABC):
     def send_layer(self, cache: torch.Tensor, layer: int,
                    transfers: Sequence[OutboundTransfer]) -> None:
         """Compute thread, right after layer ``layer`` (local index) of ``cache`` was written:
-        take that layer's blocks of every transfer in ``transfers`` (each layer once)."""
+        take that layer's blocks of every transfer in ``transfers`` (layers in order, once)."""
 
     @abstractmethod
     def send_fence(self, transfer: OutboundTransfer, first_token_id: int) -> None:

@@ -1,10 +1,8 @@
-"""Moving KV between the paged cache and contiguous pieces: gather into staging on the
-sender, scatter out of staging on the receiver, each hashing the bytes it moves.
-
-A piece (`PieceSpec`) is on the wire the contiguous ``[layers, kvs, blocks, block_elements]``.
-Host memory goes through numpy (row copies at memcpy speed on one thread: torch's
-index_select/index_copy_ cost 1.5-2x and spin intra-op threads against the engine); CUDA
-memory through torch on the current stream.
+"""Moving KV between the paged cache and contiguous pieces (``[layers, kvs, blocks,
+block_elements]`` on the wire): gather into staging on the sender, scatter out of staging on
+the receiver, each hashing the bytes it moves. Host memory goes through numpy (row copies at
+memcpy speed on one thread: torch's index_select/index_copy_ cost 1.5-2x and spin intra-op
+threads against the engine); CUDA memory through torch on the current stream.
 """
 
 from __future__ import annotations

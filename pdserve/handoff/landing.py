@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,49 +31,28 @@ RecordFn = Callable[[InboundTransfer], None]
 class PieceLanding:
     """Receives pieces into staging and lands them. Writes into the cache happen only in
     `_land`, under the transfer's ``write_lock`` and only while the transfer is live: once it
-    ended, its late pieces are received (or drained) and dropped. Tracks every piece task by
-    transfer so a failed transfer's leftovers can be reaped."""
+    ended, its late pieces are received (or drained) and dropped. Every receive is posted on
+    the session's endpoint to its sender, so when that sender is gone and its session is
+    dropped, closing the endpoint cancels whatever it left waiting."""
 
     def __init__(self, transport: HandoffTransport, cache: torch.Tensor, pool: StagingPool,
                  fail: FailFn, landed: RecordFn) -> None:
         self._transport, self._cache, self._pool = transport, cache, pool
         self._admission = StagingAdmission(pool)
         self._fail, self._landed = fail, landed
-        self._tasks: dict[int, set[asyncio.Task[None]]] = {}
         self.num_drained = 0
         self.num_landed = 0
 
     def receive(self, record: InboundTransfer, spec: PieceSpec, tag: int,
                 endpoint: asyncio.Future[Any]) -> None:
-        """``endpoint``: the session's endpoint to the sender, on which the receive is posted
-        (closing it, when the sender is gone, cancels the receive)."""
-        self._track(record.transfer_id, self._receive(record, spec, tag, endpoint))
+        self._transport.spawn(self._receive(record, spec, tag, endpoint))
 
-    def drain(self, transfer_id: int, tag: int, endpoint: asyncio.Future[Any]) -> None:
-        self._track(transfer_id, self._drain(tag, endpoint))
+    def drain(self, tag: int, endpoint: asyncio.Future[Any]) -> None:
+        self._transport.spawn(self._drain(tag, endpoint))
 
-    def transfer_ended(self, record: InboundTransfer) -> None:
-        """Hand queued staging to others; give a live sender time to send what it announced
-        (drained on arrival), then stop waiting on a dead one."""
+    def transfer_ended(self) -> None:
+        """Hand queued staging on: waiters of an ended transfer drain instead."""
         self._admission.pump()
-        if record.error is not None and self._tasks.get(record.transfer_id):
-            self._transport.loop.call_later(self._transport.config.peer_timeout_s, self._reap,
-                                            record.transfer_id)
-
-    def _reap(self, transfer_id: int) -> None:
-        for task in list(self._tasks.get(transfer_id, ())):
-            task.cancel()
-
-    def _track(self, transfer_id: int, coro: Coroutine[Any, Any, None]) -> None:
-        task = self._transport.spawn(coro)
-        bucket = self._tasks.setdefault(transfer_id, set())
-        bucket.add(task)
-
-        def done(finished: asyncio.Task[None]) -> None:
-            bucket.discard(finished)
-            if not bucket and self._tasks.get(transfer_id) is bucket:
-                del self._tasks[transfer_id]
-        task.add_done_callback(done)
 
     async def _drain(self, tag: int, endpoint: asyncio.Future[Any]) -> None:
         timeout = self._transport.config.default_timeout_s

@@ -16,6 +16,16 @@ def pid_scope(host: str) -> str:
     return f"{host}/{namespace}"
 
 
+def why_gone(pid: int | None, last_heard: float, now: float, timeout: float) -> str | None:
+    """Why a peer counts as gone: its process (``pid``, when in our pid scope) exited, or it
+    was silent for ``timeout``; None while it may be alive."""
+    if pid is not None and not process_alive(pid):
+        return f"peer process {pid} exited"
+    if now - last_heard > timeout:
+        return f"peer silent for over {timeout}s"
+    return None
+
+
 def process_alive(pid: int) -> bool:
     """Whether process ``pid`` in our pid namespace can still run (a zombie cannot)."""
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +56,8 @@ class OutboundTransfer:
     deadline passed) and the outcome is known: the receiver confirmed the fence, or refused
     the transfer, or a local error ended it. Until then the prefill worker must keep the
     source blocks; after it, UCX touches none of this transfer's memory again.
-    ``SendResult.error`` is None exactly when the receiver confirmed the KV ready. Callbacks
-    added with `add_done_callback` run on the handoff thread: keep them short. From asyncio:
-    ``await asyncio.wrap_future(transfer.released)``.
+    ``SendResult.error`` is None exactly when the receiver confirmed the KV ready. Its
+    callbacks run on the handoff thread: keep them short.
     """
 
     ticket: HandoffTicket
@@ -73,10 +71,9 @@ class OutboundTransfer:
     # compute-thread state, under _lock
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _error: HandoffError | None = None
-    _layers_done: set[int] = field(default_factory=set)
+    _next_layer: int = 0  # layers come in order, each once
     _buffers: dict[int, torch.Tensor] = field(default_factory=dict)
-    _gathered_layers: dict[int, int] = field(default_factory=dict)
-    _hashers: dict[int, Any] = field(default_factory=dict)  # piece index -> xxh3 or None
+    _hashers: dict[int, Any] = field(default_factory=dict)  # host pieces: piece index -> xxh3
     _ids_np: np.ndarray | None = None  # host block ids, range-checked on first use
     _by_layer: dict[int, list[PieceSpec]] = field(default_factory=dict)
     _fence_requested: bool = False
@@ -109,9 +106,6 @@ class OutboundTransfer:
     def error(self) -> HandoffError | None:
         return self._error  # one attribute read: no lock (the gather may hold it for a while)
 
-    def add_done_callback(self, fn: Callable[[SendResult], None]) -> None:
-        self.released.add_done_callback(lambda future: fn(future.result()))
-
     def fail(self, error: HandoffError) -> bool:
         """Record the first error; later gathers become no-ops. Any thread."""
         with self._lock:
@@ -134,17 +128,19 @@ class OutboundTransfer:
         with self._lock:
             if self._error is not None:
                 return []
-            if not 0 <= layer < self.layout.num_local_layers or layer in self._layers_done:
-                self._error = HandoffProtocolError(f"layer {layer} sent twice or out of range")
+            if layer != self._next_layer or layer >= self.layout.num_local_layers:
+                self._error = HandoffProtocolError(
+                    f"layer {layer} sent out of order (expected {self._next_layer})")
                 return []
-            self._layers_done.add(layer)
+            self._next_layer += 1
             ready: list[ReadyPiece] = []
             for spec in self._by_layer.get(layer, ()):
                 buffer = self._buffer_for_locked(spec)
                 if buffer is None:
                     return ready  # the loop releases these: the transfer has failed
-                done = self._gathered_layers.get(spec.index, 0)
-                hasher = self._hasher_for(spec, layer, done, buffer)
+                if layer == spec.layer_start and not buffer.is_cuda:
+                    self._hashers[spec.index] = xxhash.xxh3_64()
+                hasher = self._hashers.get(spec.index)
                 view = piece_view(buffer, spec, self.layout)
                 if src_rows is not None:
                     ids = self._host_ids(src_rows.shape[2])[spec.block_start:spec.block_end]
@@ -152,8 +148,7 @@ class OutboundTransfer:
                                 byte_rows(view[layer - spec.layer_start]), hasher)
                 else:
                     gather_cuda_layer(cache, self.block_ids, spec, layer, self.layout, view)
-                self._gathered_layers[spec.index] = done + 1
-                if done + 1 == spec.num_layers:
+                if layer + 1 == spec.layer_end:
                     del self._buffers[spec.index]
                     hasher = self._hashers.pop(spec.index, None)
                     ready.append(ReadyPiece(spec, buffer[:spec.nbytes(self.layout)], buffer,
@@ -166,24 +161,15 @@ class OutboundTransfer:
             self._ids_np = checked_ids(self.block_ids.numpy(), num_cache_blocks)
         return self._ids_np
 
-    def _hasher_for(self, spec: PieceSpec, layer: int, done: int, buffer: torch.Tensor) -> Any:
-        """Hash while gathering (host, layers in order); else None: hashed later off-thread."""
-        if done == 0:
-            in_order = layer == spec.layer_start and not buffer.is_cuda
-            self._hashers[spec.index] = xxhash.xxh3_64() if in_order else None
-        elif self._hashers.get(spec.index) is not None and layer != spec.layer_start + done:
-            self._hashers[spec.index] = None
-        return self._hashers.get(spec.index)
-
     def request_fence(self) -> bool:
         """True if every layer was gathered; otherwise the transfer fails (caller bug)."""
         with self._lock:
             if self._fence_requested:
                 return False
             self._fence_requested = True
-            if self._error is None and len(self._layers_done) != self.layout.num_local_layers:
+            if self._error is None and self._next_layer != self.layout.num_local_layers:
                 self._error = HandoffProtocolError(
-                    f"fence requested after {len(self._layers_done)} of "
+                    f"fence requested after {self._next_layer} of "
                     f"{self.layout.num_local_layers} layers")
             return self._error is None
 

@@ -19,7 +19,7 @@ from pdserve.handoff.errors import (
     HandoffError,
     HandoffPeerGoneError,
 )
-from pdserve.handoff.liveness import process_alive
+from pdserve.handoff.liveness import why_gone
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import Frame, Kind, decode, encode
 
@@ -121,12 +121,9 @@ class PeerLink:
         peer_timeout_s without an answer."""
         if self.dead is not None or not self.ready.done():
             return
-        timeout = self._transport.config.peer_timeout_s
-        if self.peer_pid is not None and not process_alive(self.peer_pid):
-            self.fail(HandoffPeerGoneError(f"receiver process {self.peer_pid} exited"))
-            return
-        if now - self.last_heard > timeout:
-            self.fail(HandoffPeerGoneError(f"receiver silent for over {timeout}s"))
+        why = why_gone(self.peer_pid, self.last_heard, now, self._transport.config.peer_timeout_s)
+        if why is not None:
+            self.fail(HandoffPeerGoneError(f"receiver gone: {why}"))
             return
         self._ping_seq += 1
         self.send(Kind.PING, {"seq": self._ping_seq})

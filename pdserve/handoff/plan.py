@@ -37,12 +37,8 @@ class PieceSpec:
         return self.block_end - self.block_start
 
     def nbytes(self, layout: KVLayout) -> int:
-        return self.num_layers * self.num_kv * self.num_blocks * row_nbytes(layout)
-
-
-def row_nbytes(layout: KVLayout) -> int:
-    """Bytes of one block's K (or V) in one layer."""
-    return layout.block_elements * layout.torch_dtype.itemsize
+        row = layout.block_elements * layout.torch_dtype.itemsize  # one block's K (or V)
+        return self.num_layers * self.num_kv * self.num_blocks * row
 
 
 def plan_pieces(layout: KVLayout, num_blocks: int, min_piece_bytes: int, max_piece_bytes: int,

@@ -4,7 +4,6 @@ blocks, verify the fence, and tell the decode worker when the KV is ready (or wh
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import os
@@ -12,6 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,19 +22,31 @@ from pdserve.handoff.errors import (
     HandoffCancelledError,
     HandoffError,
     HandoffPeerGoneError,
+    HandoffProtocolError,
     HandoffTimeoutError,
     HandoffUnknownTransferError,
+    error_from_code,
 )
 from pdserve.handoff.inbound import InboundState, InboundTransfer
 from pdserve.handoff.landing import PieceLanding
-from pdserve.handoff.receiver_frames import RECEIVER_KINDS, ReceiverFrames
-from pdserve.handoff.sessions import SessionTable
+from pdserve.handoff.sessions import SenderSession, SessionTable
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import FenceInfo, HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
-from pdserve.handoff.wire import Kind
+from pdserve.handoff.wire import (
+    MAX_PIECES,
+    PIECES_PER_FRAME,
+    Frame,
+    Kind,
+    WireError,
+    data_tag,
+    peek,
+    piece_header,
+)
 
 log = logging.getLogger(__name__)
+_ROLE_KINDS = (Kind.HELLO, Kind.PROOF, Kind.BEGIN, Kind.PIECE, Kind.FENCE, Kind.ABORT_TO_RECEIVER,
+               Kind.PING)
 
 
 @dataclass(frozen=True)
@@ -73,12 +85,8 @@ class HandoffReceiver(KVReceiver):
         self._by_tid: dict[int, InboundTransfer] = {}
         self._writable: set[int] = set()
         self._counts = {"ready": 0, "failed": 0, "rejected": 0}
-        self._sweeper: asyncio.Task[None] | None = None
-        self._frames = ReceiverFrames(self._sessions, self._landing, self._lookup,
-                                      self._fail, self._finish, self._maybe_ready, self._counts)
-        transport.register(RECEIVER_KINDS, self._frames.on_frame)
-        transport.on_shutdown(self._on_shutdown)
-        transport.call_soon(self._start_sweeper)
+        self._detach = transport.attach(_ROLE_KINDS, self._on_frame, self._sweep,
+                                        self._on_shutdown)
 
     # ---- decode worker API -------------------------------------------------------------
     def reserve(self, request_id: str, block_ids: Sequence[int], layout: KVLayout,
@@ -134,11 +142,8 @@ class HandoffReceiver(KVReceiver):
         return ended
 
     def close(self) -> None:
-        self._transport.unregister(RECEIVER_KINDS, self._frames.on_frame)
-        self._transport.remove_shutdown_hook(self._on_shutdown)
+        self._detach()
         self._on_shutdown()
-        if self._sweeper is not None:
-            self._transport.call_soon(self._sweeper.cancel)
 
     def writable_block_ids(self) -> frozenset[int]:
         """Blocks that a live transfer may still write into (empty once all have ended)."""
@@ -183,7 +188,7 @@ class HandoffReceiver(KVReceiver):
             self._sessions.send(session, Kind.ABORT_TO_SENDER, body)
 
     def _after_finish(self, record: InboundTransfer) -> None:
-        self._landing.transfer_ended(record)
+        self._landing.transfer_ended()
         session = self._sessions.get(record.session_id)
         if record.state is InboundState.READY and session is not None:
             self._sessions.send(session, Kind.DONE, {"tid": record.transfer_id})
@@ -203,17 +208,101 @@ class HandoffReceiver(KVReceiver):
         if complete:
             self._finish(record, None)
 
-    # ---- senders that went away ------------------------------------------------------------
-    def _start_sweeper(self) -> None:
-        self._sweeper = self._transport.spawn(self._sweep())
+    # ---- frames from senders (loop) ------------------------------------------------------
+    def _on_frame(self, kind: Kind, raw: bytes) -> None:
+        """One frame of a receiver-side kind, authenticated, checked against its reservation
+        and routed: a bad header fails its transfer (the sender is told), a piece for no live
+        transfer is drained."""
+        try:
+            if kind is Kind.HELLO:
+                return self._sessions.on_hello(raw)
+            if kind is Kind.PROOF:
+                return self._sessions.on_proof(raw)
+            frame, session = self._sessions.authenticate(raw, peek(raw)[1])
+        except WireError as exc:
+            self._counts["rejected"] += 1
+            log.warning("rejected a %s frame: %s", kind.name, exc)
+            return None
+        if kind is Kind.PING:
+            self._sessions.send(session, Kind.PONG, {"seq": frame.body["seq"]})
+            return None
+        record = self._lookup(frame.body["tid"])
+        if kind is Kind.BEGIN:
+            self._on_begin(record, frame, session)
+        elif kind is Kind.PIECE:
+            self._on_pieces(record, frame, session)
+        elif kind is Kind.FENCE and record is not None and not record.terminal:
+            try:
+                record.accept_fence(session.session_id, frame.body)
+            except HandoffError as exc:
+                return self._fail(record, exc)
+            self._maybe_ready(record)
+        elif (kind is Kind.ABORT_TO_RECEIVER and record is not None and not record.terminal
+              and record.session_id == session.session_id):
+            cause = error_from_code(frame.body["code"], frame.body["message"])
+            self._finish(record, type(cause)(f"sender aborted: {cause}"))
+        return None
 
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.heartbeat_interval_s)
-            now = time.monotonic()
-            for session_id, why in self._sessions.gone(now, self._config.peer_timeout_s).items():
-                self._drop_session(session_id, why)
-            self._forget_finished(now)
+    def _on_begin(self, record: InboundTransfer | None, frame: Frame,
+                  session: SenderSession) -> None:
+        tid = frame.body["tid"]
+        if record is None or record.terminal:
+            reason = (record.error if record is not None and record.error is not None
+                      else HandoffUnknownTransferError(f"no live reservation for transfer {tid}"))
+            self._sessions.send(session, Kind.ABORT_TO_SENDER,
+                                {"tid": tid, "code": reason.code, "message": str(reason)})
+            return
+        try:
+            record.accept_begin(session.session_id, frame.body)
+        except HandoffError as exc:
+            self._fail(record, exc)
+            if record.session_id is None:  # refused before it began: tell this sender
+                self._sessions.send(session, Kind.ABORT_TO_SENDER,
+                                    {"tid": tid, "code": exc.code, "message": str(exc)})
+
+    def _on_pieces(self, record: InboundTransfer | None, frame: Frame,
+                   session: SenderSession) -> None:
+        entries = frame.body["pieces"]
+        if len(entries) > PIECES_PER_FRAME:
+            if record is not None:
+                self._fail(record, HandoffProtocolError(
+                    f"{len(entries)} pieces in one frame (at most {PIECES_PER_FRAME})"))
+            return
+        for entry in entries:
+            try:
+                header = piece_header(entry)
+            except WireError as exc:
+                if record is not None:
+                    self._fail(record, HandoffProtocolError(str(exc)))
+                return
+            self._on_piece(record, frame.body["tid"], header, session)
+
+    def _on_piece(self, record: InboundTransfer | None, tid: int, header: dict[str, Any],
+                  session: SenderSession) -> None:
+        """Check one announced piece; receive it (or drain it) right away."""
+        index = header["index"]
+        if not 0 <= index < MAX_PIECES or not 0 < tid < 1 << 32:
+            if record is not None:
+                self._fail(record, HandoffProtocolError(f"piece index {index} out of range"))
+            return
+        tag = data_tag(tid, index)
+        if record is None or record.terminal or record.session_id != session.session_id:
+            self._landing.drain(tag, session.endpoint)
+            return
+        try:
+            spec = record.accept_piece(session.session_id, header)
+        except HandoffError as exc:
+            self._fail(record, exc)
+            self._landing.drain(tag, session.endpoint)
+            return
+        self._landing.receive(record, spec, tag, session.endpoint)
+
+    # ---- senders that went away ------------------------------------------------------------
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for session_id, why in self._sessions.gone(now, self._config.peer_timeout_s).items():
+            self._drop_session(session_id, why)
+        self._forget_finished(now)
 
     def _session_failed(self, session_id: int) -> None:
         self._drop_session(session_id, "UCX reports the sender's endpoint failed")

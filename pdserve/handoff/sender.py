@@ -10,28 +10,29 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.contract import KVSender
+from pdserve.handoff.digest import combine_digests, digest, digest_kind
 from pdserve.handoff.errors import (
     HandoffCancelledError,
     HandoffError,
+    HandoffPeerGoneError,
     HandoffTimeoutError,
     error_from_code,
 )
 from pdserve.handoff.kvcopy import cache_rows
 from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
 from pdserve.handoff.peers import PeerLink
-from pdserve.handoff.plan import plan_pieces
-from pdserve.handoff.pump import PiecePump
+from pdserve.handoff.plan import PieceSpec, plan_pieces
 from pdserve.handoff.staging import StagingPool, StagingStats
 from pdserve.handoff.ticket import HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
-from pdserve.handoff.wire import Kind, WireError, peek
+from pdserve.handoff.wire import PIECES_PER_FRAME, Kind, WireError, data_tag, peek, piece_entry
 
 log = logging.getLogger(__name__)
+Record = tuple[PieceSpec, int, int]  # a sent piece's spec, byte count and digest
 _ROLE_KINDS = (Kind.CHALLENGE, Kind.WELCOME, Kind.REFUSED, Kind.PONG, Kind.ABORT_TO_SENDER,
                Kind.DONE)
 
@@ -62,12 +63,8 @@ class HandoffSender(KVSender):
         self._by_session: dict[int, PeerLink] = {}  # loop only
         self._active: dict[int, OutboundTransfer] = {}  # loop only, by transfer id
         self._counts = {"ok": 0, "failed": 0}
-        self._heartbeat: asyncio.Task[None] | None = None
-        self._last_rows: tuple[object, np.ndarray] | None = None  # see _rows_of
-        self._pump = PiecePump(transport, self._pool, self._maybe_release)
-        transport.register(_ROLE_KINDS, self._on_frame)
-        transport.on_shutdown(self._on_shutdown)
-        transport.call_soon(self._start_heartbeats)
+        self._detach = transport.attach(_ROLE_KINDS, self._on_frame, self._heartbeat,
+                                        self._on_shutdown)
 
     # ---- engine API --------------------------------------------------------------------
     def start_transfer(self, ticket: HandoffTicket, block_ids: Sequence[int], layout: KVLayout,
@@ -92,17 +89,9 @@ class HandoffSender(KVSender):
             raise ValueError(f"cache on {cache.device}, sender staging on {self._pool.device}: "
                              f"construct HandoffSender(transport, device=cache.device)")
         for transfer in transfers:
-            src_rows = None if cache.is_cuda else self._rows_of(cache, transfer.layout)
+            src_rows = None if cache.is_cuda else cache_rows(cache, transfer.layout)
             for piece in transfer.gather_layer(cache, layer, src_rows):
                 self._transport.call_soon(self._enqueue, transfer, piece)
-
-    def _rows_of(self, cache: torch.Tensor, layout: KVLayout) -> np.ndarray:
-        """The host cache's numpy byte rows (a view; kept for the next layer's call)."""
-        key = (cache.data_ptr(), tuple(cache.shape), cache.dtype, layout)
-        last = self._last_rows
-        if last is None or last[0] != key:
-            last = self._last_rows = (key, cache_rows(cache, layout))
-        return last[1]
 
     def send_fence(self, transfer: OutboundTransfer,
                    first_token_id: int) -> None:
@@ -115,8 +104,7 @@ class HandoffSender(KVSender):
 
     def close(self) -> None:
         """Abort every transfer and close links (the transport keeps running). Loop-safe."""
-        self._transport.unregister(_ROLE_KINDS, self._on_frame)
-        self._transport.remove_shutdown_hook(self._on_shutdown)
+        self._detach()
         self._transport.call_soon(self._on_shutdown)
 
     def stats(self) -> SenderStats:
@@ -130,7 +118,7 @@ class HandoffSender(KVSender):
         link.transfers.add(transfer)
         delay = max(0.0, transfer.deadline - time.monotonic()) + self._config.send_grace_s
         self._transport.loop.call_later(delay, self._expire, transfer)
-        transfer.pump = self._transport.spawn(self._pump.run(transfer, link))
+        transfer.pump = self._transport.spawn(self._pump(transfer, link))
         # A callback, not a finally: it also runs if the task is cancelled before it started.
         transfer.pump.add_done_callback(lambda _: self._close_pump(transfer, link))
         if link.dead is not None:  # failed while connecting, before this transfer joined
@@ -148,7 +136,7 @@ class HandoffSender(KVSender):
     def _enqueue(self, transfer: OutboundTransfer, item: ReadyPiece | FenceRequest) -> None:
         if transfer.pump_done:
             if isinstance(item, ReadyPiece):
-                self._pump.release(item)
+                self._release_piece(item)
             return
         transfer.queue.put_nowait(item)
 
@@ -162,7 +150,7 @@ class HandoffSender(KVSender):
         while not transfer.queue.empty():
             item = transfer.queue.get_nowait()
             if isinstance(item, ReadyPiece):
-                self._pump.release(item)
+                self._release_piece(item)
         self._maybe_release(transfer)
 
     def _maybe_release(self, transfer: OutboundTransfer) -> None:
@@ -177,6 +165,113 @@ class HandoffSender(KVSender):
         if not result.ok:
             log.info("handoff push of %s ended: %s", transfer.request_id, result.error)
         transfer.released.set_result(result)
+
+    # ---- loop: one task per transfer ---------------------------------------------------------
+    async def _pump(self, transfer: OutboundTransfer, link: PeerLink) -> None:
+        """BEGIN, then pieces in order as the compute thread queues them, then the fence. Every
+        announced piece is sent, even after an abort (the receiver drains it), so the receiver
+        never waits on a piece that cannot come."""
+        try:
+            await link.ready
+            ticket = transfer.ticket
+            link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
+                                   "request_id": ticket.request_id,
+                                   "layout": transfer.layout.to_dict(),
+                                   "num_blocks": ticket.num_blocks,
+                                   "digest": digest_kind(self._pool.device)})
+            transfer.begun = True
+            records: list[Record] = []
+            while transfer.error is None:
+                pieces, last = await self._next_items(transfer)
+                if transfer.error is not None:
+                    for piece in pieces:
+                        self._release_piece(piece)
+                    break
+                if pieces:
+                    records.extend(await self._announce(transfer, link, pieces))
+                if isinstance(last, FenceRequest):
+                    link.send(Kind.FENCE, {
+                        "tid": transfer.transfer_id, "num_pieces": len(records),
+                        "nbytes": sum(r[1] for r in records), "digest": combine_digests(records),
+                        "first_token_id": last.first_token_id,
+                        "num_tokens": transfer.ticket.num_tokens})
+                    break
+                if last is None and not pieces:
+                    break  # woken to stop
+        except HandoffError as exc:
+            transfer.fail(exc)
+
+    @staticmethod
+    async def _next_items(transfer: OutboundTransfer,
+                          ) -> tuple[list[ReadyPiece], FenceRequest | None]:
+        """Every piece queued right now (one frame announces them all), and a fence if one
+        follows them. ([], None) is the wake-up to stop."""
+        item = await transfer.queue.get()
+        pieces: list[ReadyPiece] = []
+        while isinstance(item, ReadyPiece):
+            pieces.append(item)
+            if transfer.queue.empty() or len(pieces) == PIECES_PER_FRAME:
+                return pieces, None
+            item = transfer.queue.get_nowait()
+        return pieces, item
+
+    async def _announce(self, transfer: OutboundTransfer, link: PeerLink,
+                        pieces: list[ReadyPiece]) -> list[Record]:
+        """One PIECE frame for ``pieces``, then their payload sends."""
+        records, entries = [], []
+        for position, piece in enumerate(pieces):
+            spec, nbytes = piece.spec, piece.spec.nbytes(transfer.layout)
+            try:
+                piece_digest = await self._digest(piece)
+            except asyncio.CancelledError:  # none announced yet; this one's digest job frees it
+                for unsent in pieces[:position] + pieces[position + 1:]:
+                    self._release_piece(unsent)
+                raise
+            entries.append(piece_entry(spec.index, (spec.layer_start, spec.layer_end),
+                                       (spec.kv_start, spec.kv_end),
+                                       (spec.block_start, spec.block_end), nbytes,
+                                       piece_digest))
+            records.append((spec, nbytes, piece_digest))
+        link.send(Kind.PIECE, {"tid": transfer.transfer_id, "pieces": entries})
+        for piece in pieces:
+            tag = data_tag(transfer.transfer_id, piece.spec.index)
+            task = self._transport.spawn(self._transport.send_payload(link.endpoint,
+                                                                      piece.payload, tag))
+            transfer.sends.add(task)
+            task.add_done_callback(lambda done, p=piece: self._sent(transfer, p, done))
+        return records
+
+    async def _digest(self, piece: ReadyPiece) -> int:
+        """The digest taken during the gather, or (CUDA) one taken now on the device, off the
+        loop, once the gather's event completed."""
+        if piece.digest is not None:
+            return piece.digest
+        job = asyncio.ensure_future(self._transport.run_payload(_wait_and_digest,
+                                                                piece.payload, piece.event))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda _: self._release_piece(piece))
+            raise
+
+    def _sent(self, transfer: OutboundTransfer, piece: ReadyPiece,
+              task: asyncio.Task[None]) -> None:
+        """Bookkeeping of one payload send (a callback: runs even if cancelled unstarted)."""
+        transfer.sends.discard(task)
+        if task.cancelled():
+            self._pool.quarantine(piece.buffer)  # the peer may still read it: never reuse
+        elif task.exception() is not None:
+            self._release_piece(piece)
+            transfer.fail(HandoffPeerGoneError(
+                f"sending piece {piece.spec.index} failed: {task.exception()}"))
+        else:
+            transfer.bytes_sent += piece.spec.nbytes(transfer.layout)
+            transfer.pieces_sent += 1
+            self._release_piece(piece)
+        self._maybe_release(transfer)
+
+    def _release_piece(self, piece: ReadyPiece) -> None:
+        self._pool.release(piece.buffer)
 
     # ---- loop: failures -------------------------------------------------------------------------
     def _abort(self, transfer: OutboundTransfer, error: HandoffError, *,
@@ -231,15 +326,10 @@ class HandoffSender(KVSender):
             del self._links[link.address]
         self._by_session.pop(link.session_id, None)
 
-    def _start_heartbeats(self) -> None:
-        self._heartbeat = self._transport.spawn(self._heartbeats())
-
-    async def _heartbeats(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.heartbeat_interval_s)
-            now = time.monotonic()
-            for link in list(self._links.values()):
-                link.ping_if_due(now)
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        for link in list(self._links.values()):
+            link.ping_if_due(now)
 
     def _on_shutdown(self) -> None:
         for transfer in list(self._active.values()):
@@ -247,5 +337,9 @@ class HandoffSender(KVSender):
                         force=True)
         for link in list(self._links.values()):
             link.fail(HandoffCancelledError("sender shutting down"))
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
+
+
+def _wait_and_digest(view: torch.Tensor, event: object) -> int:
+    if event is not None:
+        event.synchronize()  # type: ignore[attr-defined]
+    return digest(view)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.handoff import auth
-from pdserve.handoff.liveness import process_alive
+from pdserve.handoff.liveness import why_gone
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import Frame, Kind, WireError, decode, encode
 
@@ -32,13 +32,6 @@ class SenderSession:
     pid: int | None = None  # set when the sender is a process we can see
     key: bytes | None = None
 
-    def gone(self, now: float, timeout: float) -> str | None:
-        """Why this session's sender counts as gone, or None while it may still be alive."""
-        if self.pid is not None and not process_alive(self.pid):
-            return f"sender process {self.pid} exited"
-        if now - self.last_seen > timeout:
-            return f"sender silent for over {timeout}s"
-        return None
 
 
 class SessionTable:
@@ -51,9 +44,6 @@ class SessionTable:
         self._token = transport.config.auth_token
         self._sessions: dict[int, SenderSession] = {}
         self.num_refused = 0
-
-    def __contains__(self, session_id: int) -> bool:
-        return session_id in self._sessions
 
     def get(self, session_id: int | None) -> SenderSession | None:
         return None if session_id is None else self._sessions.get(session_id)
@@ -130,8 +120,9 @@ class SessionTable:
             log.warning("could not send %s to session %x: %s", kind.name, session.session_id, exc)
 
     def gone(self, now: float, timeout: float) -> dict[int, str]:
-        """Sessions whose sender is gone (see `SenderSession.gone`), with the reason."""
-        reasons = {s.session_id: s.gone(now, timeout) for s in self._sessions.values()}
+        """Sessions whose sender is gone (`why_gone`), with the reason."""
+        reasons = {s.session_id: why_gone(s.pid, s.last_seen, now, timeout)
+                   for s in self._sessions.values()}
         return {sid: why for sid, why in reasons.items() if why is not None}
 
     def drop(self, session_id: int) -> None:

@@ -22,7 +22,6 @@ class StagingStats:
     capacity_bytes: int
     in_use_bytes: int
     cached_bytes: int
-    peak_in_use_bytes: int
     num_acquired: int
     num_refused: int
     num_quarantined: int
@@ -50,7 +49,6 @@ class StagingPool:
         self._quarantined: list[torch.Tensor] = []
         self._in_use_bytes = 0
         self._cached_bytes = 0
-        self._peak = 0
         self._num_acquired = 0
         self._num_refused = 0
 
@@ -77,7 +75,6 @@ class StagingPool:
                 self._evict_locked(total - self.capacity_bytes)
                 buffer = None
             self._in_use_bytes += size
-            self._peak = max(self._peak, self._in_use_bytes)
             self._num_acquired += 1
         if buffer is None:
             # Allocate outside the lock: page faults or a CUDA malloc can take a while.
@@ -121,7 +118,7 @@ class StagingPool:
     def stats(self) -> StagingStats:
         with self._lock:
             return StagingStats(
-                self.capacity_bytes, self._in_use_bytes, self._cached_bytes, self._peak,
+                self.capacity_bytes, self._in_use_bytes, self._cached_bytes,
                 self._num_acquired, self._num_refused, len(self._quarantined),
             )
 

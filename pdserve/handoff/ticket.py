@@ -26,13 +26,10 @@ class HandoffTicket:
       another one, so a stale ticket is refused instead of landing in someone else's blocks.
     - ``receiver_host``: host identity (boot id + hostname); the sender's endpoint to an
       equal host runs without UCX error handling, so UCX may use shared memory.
-    - ``transfer_id``: 32-bit id, unique among the receiver's live and recent transfers; it is
-      part of every data tag of this transfer.
-    - ``num_blocks``/``num_tokens``: the blocks reserved and the prompt tokens they hold.
-    - ``expected_bytes``: ``num_local_layers * num_blocks * layout.block_bytes``.
+    - ``transfer_id``: 32-bit id, unique among the receiver's live and recent transfers, part
+      of every data tag of this transfer.
     - ``max_piece_bytes``: the largest piece the receiver will stage; the sender plans under it.
-    - ``deadline``: absolute Unix time (``time.time()`` seconds) after which the receiver fails
-      the transfer and the sender stops waiting.
+    - ``deadline``: absolute ``time.time()`` after which both sides give the transfer up.
     """
 
     request_id: str

@@ -87,7 +87,6 @@ class HandoffTransport:
         self._address = b""
         self._started = False
         self._stopped = False
-        self.num_bad_frames = 0
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self) -> Self:
@@ -185,21 +184,33 @@ class HandoffTransport:
         """Loop only: run CPU-heavy payload work (hash, scatter) off the loop, one at a time."""
         return await self._loop.run_in_executor(self._payload, fn, *args)
 
-    def register(self, kinds: Iterable[Kind], handler: FrameHandler) -> None:
-        for kind in kinds:
-            self._handlers[kind] = handler
+    def attach(self, kinds: Iterable[Kind], handler: FrameHandler, tick: Callable[[], None],
+               on_shutdown: Callable[[], None]) -> Callable[[], None]:
+        """A role joins (any thread): ``handler`` gets its kinds of frames, ``tick`` runs on the
+        loop every ``heartbeat_interval_s`` and ``on_shutdown`` at shutdown. Returns the
+        detach function, after which none of them runs again."""
+        kinds = tuple(kinds)
+        self._handlers.update(dict.fromkeys(kinds, handler))
+        self._shutdown_hooks.append(on_shutdown)
+        ticker = self.submit(self._every(self.config.heartbeat_interval_s, tick))
 
-    def unregister(self, kinds: Iterable[Kind], handler: FrameHandler) -> None:
-        for kind in kinds:
-            if self._handlers.get(kind) == handler:
-                del self._handlers[kind]
+        def detach() -> None:
+            for kind in kinds:
+                if self._handlers.get(kind) == handler:
+                    del self._handlers[kind]
+            if on_shutdown in self._shutdown_hooks:
+                self._shutdown_hooks.remove(on_shutdown)
+            ticker.cancel()
+        return detach
 
-    def on_shutdown(self, hook: Callable[[], None]) -> None:
-        self._shutdown_hooks.append(hook)
-
-    def remove_shutdown_hook(self, hook: Callable[[], None]) -> None:
-        if hook in self._shutdown_hooks:
-            self._shutdown_hooks.remove(hook)
+    async def _every(self, interval: float, tick: Callable[[], None]) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)  # shutdown cancels it with the rest
+        task.add_done_callback(self._tasks.discard)
+        while True:
+            await asyncio.sleep(interval)
+            tick()
 
     # ---- UCX primitives (loop only) ----------------------------------------------------
     async def open_endpoint(self, address: bytes, peer_host: str,
@@ -247,12 +258,9 @@ class HandoffTransport:
             await _unpinned(endpoint.recv(sink, tag=tag, force_tag=True))
 
     async def _control_loop(self) -> None:
-        """Keep `CONTROL_RING` receives posted for control frames and handle them in order.
-
-        UCX matches messages of one tag to posted receives in posting order, so frames land in
-        the ring in arrival order; several posted at once means a burst of headers costs one
-        wake-up instead of one per frame.
-        """
+        """Keep `CONTROL_RING` receives posted for control frames and handle them in order (UCX
+        matches one tag's messages to receives in posting order); several posted at once make
+        a burst of headers cost one wake-up instead of one per frame."""
         import ucxx  # type: ignore[import-untyped]
 
         def post(buffer: np.ndarray) -> tuple[np.ndarray, asyncio.Future[None]]:
@@ -267,7 +275,6 @@ class HandoffTransport:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - a bad frame must not stop listening
-                    self.num_bad_frames += 1
                     log.warning("dropped a control frame: %s", exc)
                 else:
                     self._dispatch(buffer.data)
@@ -285,16 +292,13 @@ class HandoffTransport:
         try:
             kind, _, total = peek(view)
         except WireError as exc:
-            self.num_bad_frames += 1
             log.warning("dropped a control frame: %s", exc)
             return
         handler = self._handlers.get(kind)
         if handler is None:
-            self.num_bad_frames += 1
             log.warning("dropped a %s frame: no handler in this process", kind.name)
             return
         try:
             handler(kind, bytes(view[:total]))
         except Exception:
-            self.num_bad_frames += 1
             log.exception("handoff %s handler failed", kind.name)
