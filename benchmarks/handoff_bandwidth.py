@@ -31,6 +31,7 @@ import shutil
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,10 +41,10 @@ import numpy as np
 MIB = 1 << 20
 NUM_LAYERS = 32
 Rates = dict[int, tuple[float, float]]  # size in MiB -> (GB/s, ms)
+# Piece sizes are the production defaults; staging holds a whole 256 MiB transfer.
 BENCH_CONFIG: dict[str, Any] = {
     "auth_token": "bench-secret", "receiver_staging_bytes": 512 * MIB,
-    "sender_staging_bytes": 512 * MIB, "max_piece_bytes": 16 * MIB, "min_piece_bytes": 8 * MIB,
-    "default_timeout_s": 60.0,
+    "sender_staging_bytes": 512 * MIB, "default_timeout_s": 60.0,
 }
 
 
@@ -108,24 +109,31 @@ def handoff_worker(conn: Any, role: str, num_cache_blocks: int) -> None:
             result = transfer.released.result(60)
             conn.send((started, result.ok, str(result.error)))
         elif op == "raw_post":
-            done = transport.submit(_raw_post(transport, raw, *args))
+            posted = threading.Event()
+            done = transport.submit(_raw_post(raw, posted, *args))
+            posted.wait(30)
             conn.send("posted")
             conn.send(done.result(60))
         elif op == "raw_send":
             conn.send(transport.submit(_raw_send(transport, raw, *args)).result(60))
 
 
-async def _raw_post(transport: Any, buffer: np.ndarray, rep: int, sizes: list[int]) -> float:
-    """Post one receive per piece into ``buffer``; return when the last one completed."""
+async def _raw_post(buffer: np.ndarray, posted: threading.Event, rep: int,
+                    sizes: list[int]) -> float:
+    """Post one receive per piece into ``buffer`` (all posted before ``posted`` is set);
+    return when the last one completed."""
     import asyncio
 
     import ucxx  # type: ignore[import-untyped]
+    from ucxx._lib.arr import Array  # type: ignore[import-untyped]
+    from ucxx.types import Tag  # type: ignore[import-untyped]
 
+    worker = ucxx.core._get_ctx().worker
     offsets = np.cumsum([0, *sizes]).tolist()
-    receives = [asyncio.ensure_future(ucxx.recv(buffer[offsets[i]:offsets[i + 1]],
-                                                tag=RAW_TAG | rep << 16 | i))
-                for i in range(len(sizes))]
-    await asyncio.gather(*receives)
+    requests = [worker.tag_recv(Array(buffer[offsets[i]:offsets[i + 1]]),
+                                Tag(RAW_TAG | rep << 16 | i)) for i in range(len(sizes))]
+    posted.set()
+    await asyncio.gather(*(request.wait() for request in requests))
     return time.monotonic()
 
 
@@ -214,6 +222,7 @@ def measure_pair(sizes: list[int], reps: int) -> dict[str, Rates]:
     processes, alternating per repetition so the machine's drift hits all three alike."""
     from _common import role_pair, transfer_block_ids
 
+    from pdserve.handoff import HandoffConfig
     from pdserve.handoff.plan import plan_pieces
 
     num_cache_blocks = max(sizes) + 8
@@ -224,8 +233,9 @@ def measure_pair(sizes: list[int], reps: int) -> dict[str, Rates]:
         receiver.send(("identity", None))
         address, host = receiver.recv()
         for size in sizes:
-            plan = plan_pieces(bench_layout(), size, BENCH_CONFIG["min_piece_bytes"],
-                               BENCH_CONFIG["max_piece_bytes"])
+            defaults = HandoffConfig(**BENCH_CONFIG)
+            plan = plan_pieces(bench_layout(), size, defaults.min_piece_bytes,
+                               defaults.max_piece_bytes)
             piece_sizes = [spec.nbytes(bench_layout()) for spec in plan]
             timings: dict[str, list[float]] = {name: [] for name in names}
             for rep in range(reps + 1):  # the first run warms staging pools and links

@@ -178,6 +178,39 @@ class Roles:
         assert self.sender is not None
         return asdict(self.sender.stats())
 
+    def send_frames(self, ticket: dict[str, Any], frames: list[tuple[int, dict[str, Any]]],
+                    payloads: list[tuple[int, int, int]]) -> int:
+        """Send raw ``(kind, body)`` frames over the sender's authenticated link to the
+        ticket's receiver (bodies that break the schema are skipped), then payloads of random
+        bytes ``(transfer id, piece index, byte count)``; each payload waits at most 1 s for a
+        receiver to take it. Returns how many frames went out."""
+        import asyncio
+
+        from pdserve.handoff.wire import Kind, WireError, data_tag
+
+        assert self.sender is not None
+        sender = self.sender
+
+        async def go() -> int:
+            link = sender._link_for(HandoffTicket.from_dict(ticket))
+            await link.ready
+            sent = 0
+            for kind, body in frames:
+                try:
+                    link.send(Kind(kind), body)
+                    sent += 1
+                except WireError:
+                    continue
+            for tid, index, nbytes in payloads:
+                payload = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+                try:
+                    await asyncio.wait_for(self.transport.send_payload(
+                        link.endpoint, payload, data_tag(tid, index)), 1.0)
+                except (TimeoutError, ValueError):
+                    continue  # nobody took it (refused, or a tag outside the tag space)
+            return sent
+        return self.transport.submit(go()).result(60)
+
     def spy_host_copies(self) -> bool:
         """Count every copy of a CUDA tensor of more than 64 bytes to host memory from now on
         (``Tensor.cpu``, ``.to`` a CPU device, ``.numpy``, ``copy_`` into a CPU tensor); a
