@@ -376,30 +376,34 @@ def table(sizes: list[int], columns: dict[str, Rates]) -> str:
 
 
 def rate_chart(sizes: list[int], columns: dict[str, Rates]) -> str:
-    """results/handoff_bandwidth.png: GB/s by size, and each method's ratio to raw UCXX."""
+    """results/handoff_bandwidth.png: GB/s of every method by size, and the handoff's ratios
+    to raw UCXX (target 0.5x) and to the Ray object store (target 3x)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from _common import save_figure  # run as a script: benchmarks/ is on sys.path
 
-    fig, (rates, ratios) = plt.subplots(1, 2, figsize=(11, 4))
+    panels = [("raw ucxx", 0.5), ("ray", 3.0)]
+    panels = [(base, target) for base, target in panels if base in columns]
+    fig, axes = plt.subplots(1, 1 + len(panels), figsize=(5 * (1 + len(panels)), 4))
     for index, (name, column) in enumerate(columns.items()):
-        baseline = not name.startswith("handoff")
-        style = dict(linestyle="--" if baseline else "-", marker="o",
+        style = dict(linestyle="-" if name.startswith("handoff") else "--", marker="o",
                      color=f"C{index}", label=name)
-        rates.plot(sizes, [column[s][0] for s in sizes], **style)
-        if name != "raw ucxx":
-            ratios.plot(sizes, [column[s][0] / columns["raw ucxx"][s][0] for s in sizes],
-                        **style)
-    ratios.axhline(0.5, color="grey", linewidth=0.8, linestyle=":", label="target 0.5x")
-    for ax, ylabel in ((rates, "GB/s"), (ratios, "x raw ucxx in the same run")):
+        axes[0].plot(sizes, [column[s][0] for s in sizes], **style)
+        for ax, (base, _) in zip(axes[1:], panels, strict=True):
+            if name.startswith("handoff"):
+                ax.plot(sizes, [column[s][0] / columns[base][s][0] for s in sizes], **style)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("GB/s (log)")
+    for ax, (base, target) in zip(axes[1:], panels, strict=True):
+        ax.axhline(target, color="grey", linewidth=0.8, linestyle=":", label=f"target {target}x")
+        ax.set_ylabel(f"handoff / {base} in the same run")
+    for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("payload (MiB)")
-        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    rates.legend(fontsize=8)
-    ratios.legend(fontsize=8)
+        ax.legend(fontsize=8)
     path = save_figure(fig, "handoff_bandwidth",
                        f"KV handoff, two processes on {os.cpu_count()} CPUs (median per size)")
     return str(path)

@@ -233,8 +233,11 @@ class Roles:
 
         def to_host(_: Any, *args: Any, **kwargs: Any) -> bool:
             target = kwargs.get("device", args[0] if args else None)
-            return target is not None and not isinstance(target, torch.dtype) and \
-                torch.device(target).type == "cpu"
+            if isinstance(target, torch.Tensor):
+                return not target.is_cuda
+            if target is None or isinstance(target, torch.dtype):
+                return False
+            return torch.device(target).type == "cpu"
 
         counting("cpu", lambda *_, **__: True)
         counting("numpy", lambda *_, **__: True)
