@@ -30,8 +30,8 @@ class HandoffConfig:
     sender_staging_bytes: int = 512 * MIB
     max_piece_bytes: int = 16 * MIB
     # Pieces group layers up to this size: each piece costs a header, a message and a few
-    # thread hops (~0.1-0.3 ms on 2 busy cores), smaller ones overlap gather, transport and
-    # scatter better (measured: benchmarks/handoff_bandwidth.py, README).
+    # thread hops (~0.1-0.3 ms on 2 busy cores); smaller ones let the gather of the next, the
+    # transport of this one and the scatter of the last overlap (a 16 MiB prompt: 4 pieces).
     min_piece_bytes: int = 4 * MIB
     finished_ttl_s: float = 60.0
     ucx_tls: str | None = None
