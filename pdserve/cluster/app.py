@@ -11,7 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from pdserve.cluster.config import PdserveConfig, load_config, parse_config
 from pdserve.cluster.model_source import resolve_model_path
@@ -22,6 +22,7 @@ from pdserve.handoff.config import MIB, HandoffConfig
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.router.ingress import Ingress, IngressSettings
 from pdserve.router.pipeline import PipelineSettings
+from pdserve.router.prefill_load import LocalPrefillPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,10 @@ def handoff_config(cfg: PdserveConfig) -> HandoffConfig:
         read_threads=cfg.handoff.read_threads,
     )
 
+
+# Requests past the admission limit that Serve still hands to the ingress, which answers them
+# with a quick 429 (plus /health and /metrics).
+INGRESS_HEADROOM = 64
 
 ROUTERS = {
     "prefix_affinity": "pdserve.router.replica_routing:PrefixAffinityRouter",
@@ -99,12 +104,21 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
         request_timeout_s=cfg.router.request_timeout_s,
         pipeline=PipelineSettings(
             mode=cfg.mode,
-            min_disaggregated_prompt_tokens=cfg.router.min_disaggregated_prompt_tokens),
+            min_disaggregated_prompt_tokens=cfg.router.min_disaggregated_prompt_tokens,
+            local_prefill=LocalPrefillPolicy(cfg.router.local_prefill_max_tokens,
+                                             cfg.router.local_prefill_queue_factor),
+            stream_interval_s=cfg.router.stream_interval_ms / 1000.0),
     )
+    # The ingress refuses beyond its admission limit itself (429 with an OpenAI body, before
+    # any work), so Serve lets through a little more than that limit, and a proxy in front
+    # (http.frontend: proxy) holds no more than that while it hands requests over: overload
+    # is refused at once instead of waiting in line there.
     ingress = serve.deployment(
         serve.ingress()(Ingress), name="ingress", num_replicas=cfg.router.replicas,
         ray_actor_options={"num_cpus": cfg.router.num_cpus},
-        max_ongoing_requests=cfg.router.max_queued_requests * 2,
+        max_ongoing_requests=cfg.router.max_queued_requests + INGRESS_HEADROOM,
+        max_queued_requests=cfg.router.max_queued_requests + INGRESS_HEADROOM,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
     )
     return ingress.bind(decode, prefill, settings)
 

@@ -205,6 +205,17 @@ class RouterSection(Section):
     decode_policy: Literal["kv_headroom", "prefix_affinity", "least_loaded", "round_robin"] = Field(
         "kv_headroom", description="How the router picks a decode replica (prefix_affinity: "
         "where the prompt's prefix went last, whose cached KV then need not be sent again).")
+    local_prefill_max_tokens: int = Field(
+        512, ge=0, description="Prompts up to this long may be prefilled on their decode "
+        "worker while the prefill role is busy (longer ones always go to prefill: on decode "
+        "they would stall every stream there).")
+    local_prefill_queue_factor: float = Field(
+        2.0, ge=0, description="...busy meaning: more prompt tokens queued per prefill replica "
+        "than this many times the prompt's own; 0: never prefill on decode by load.")
+    stream_interval_ms: float = Field(
+        0.0, ge=0, description="A stream's tokens cross from the decode worker at most once "
+        "per interval, several tokens per chunk (the first token is never held back); 0: "
+        "every engine step's tokens as they come.")
     ratio_band: RatioBandSection | None = Field(
         None, description="Allowed prefill:decode replica ratio while autoscaling.")
     replicas: int = Field(1, ge=1, description="Ingress (HTTP) replicas.")
@@ -245,3 +256,10 @@ class HandoffSection(Section):
 class HttpSection(Section):
     host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP server.")
+    frontend: Literal["direct", "proxy"] = Field(
+        "direct", description="direct: the ingress replica serves HTTP itself on `port` "
+        "(Serve's direct ingress, no proxy hop per token); proxy: Serve's HTTP proxy serves "
+        "`port` and forwards to the ingress. Applies where `pdserve serve` starts Ray.")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM: how long open requests may finish (new ones get "
+        "503) before the rest are ended with an error event.")

@@ -99,6 +99,7 @@ class Tokenizer:
         self._token_bytes: dict[int, bytes] = {
             token_id: added.content.encode()
             for token_id, added in backend.get_added_tokens_decoder().items()}
+        self._max_token_bytes: int | None = None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> Tokenizer:
@@ -126,7 +127,26 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it tokenizes (encode holds it throughout), so
+        # a long prompt tokenized on a worker thread leaves the caller's event loop running.
+        [encoding] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the tokens ``text`` becomes, without tokenizing it: no token
+        stands for more bytes than the vocabulary's longest. 0 (no bound) when a normalizer
+        may shrink the text first."""
+        if self._backend.normalizer is not None:
+            return 0
+        return -(-len(text.encode()) // self.max_token_bytes)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token of the vocabulary stands for."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(
+                (len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1) or 1
+        return self._max_token_bytes
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))

@@ -28,6 +28,7 @@ from pdserve.handoff import (
 from pdserve.handoff.ucp_memory import UcpMemoryError
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
+from pdserve.replica import replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class PrefillWorker:
         self._transfers: dict[str, OutboundTransfer] = {}
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_transfers_failed = 0
+        self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
         logger.info("prefill worker ready: %d KV blocks of %d tokens (%s)",
                     self.engine.kv_manager.num_blocks, self.engine.layout.block_size,
                     "same-host decode workers read them" if exported else "pushed to decode")
@@ -78,6 +80,8 @@ class PrefillWorker:
         arrived = time.monotonic()
         first: RequestOutput | None = None
         stream = self.async_engine.open_stream(rid)
+        queued = len(request.prompt_token_ids) - request.decode_cached_tokens
+        self.num_queued_tokens += queued
         try:
             await self.async_engine.call(
                 lambda: self._tickets.__setitem__(rid, (ticket, first_block)))
@@ -91,6 +95,7 @@ class PrefillWorker:
             self.async_engine.submit(lambda: self._give_up(rid))
             raise
         finally:
+            self.num_queued_tokens -= queued
             await self.async_engine.close_stream(rid, abort=False)
         self.sender.send_fence(transfer, first.new_token_ids[0])
         transfer.released.add_done_callback(lambda done: self._on_released(rid, done.result()))
@@ -151,6 +156,13 @@ class PrefillWorker:
 
     async def kv_stats(self) -> dict[str, Any]:
         return asdict(await self.async_engine.call(self.engine.kv_stats))
+
+    def role_stats(self) -> dict[str, Any]:
+        """This replica's KV use and queues for the ingress (counters only)."""
+        kv, sched = self.engine.kv_manager, self.engine.scheduler
+        return {"replica_id": replica_id(), "num_blocks": kv.num_blocks,
+                "num_free_blocks": kv.num_free_blocks, "num_running": sched.num_running,
+                "num_waiting": sched.num_waiting, "num_queued_tokens": self.num_queued_tokens}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve calls this periodically; the prefill request router ranks replicas on it."""

@@ -1,0 +1,57 @@
+"""The ingress's HTTP routes: the OpenAI endpoints, models, health and metrics.
+
+Errors leave as OpenAI error bodies (`http_errors.install_error_handlers`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.router.http_errors import install_error_handlers
+from pdserve.router.protocol import ModelCard, ModelList, unix_time
+
+if TYPE_CHECKING:
+    from pdserve.router.ingress import Ingress
+
+
+def build_app(ingress: Ingress) -> FastAPI:
+    app = FastAPI(title="pdserve", description="OpenAI-compatible PD-disaggregated serving")
+    install_error_handlers(app, extra_exception_classes=_ray_backpressure_classes())
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        ingress.admission.check_open()  # before the body is even read
+        return await ingress.chat(await request.body())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        ingress.admission.check_open()
+        return await ingress.completion(await request.body())
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(id=ingress.settings.served_model_name, created=unix_time(),
+                         max_model_len=ingress.settings.max_model_len)
+        return ModelList(data=[card]).model_dump(mode="json")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = await ingress.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ingress.render_metrics(), media_type=ingress.metrics.content_type)
+
+    return app
+
+
+def _ray_backpressure_classes() -> tuple[type[BaseException], ...]:
+    try:
+        from ray.serve.exceptions import BackPressureError
+    except ImportError:  # pragma: no cover - Ray is a dependency; keep the app importable
+        return ()
+    return (BackPressureError,)
