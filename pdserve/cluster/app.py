@@ -70,6 +70,10 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
     router = _request_router(cfg, role)
     if router is not None:
         options["request_router_config"] = router
+    if role == "prefill":
+        # Serve stops a replica this long after its last call returned at most; the KV of
+        # those calls is still sending (the worker waits for it in __del__).
+        options["graceful_shutdown_timeout_s"] = cfg.handoff.timeout_s + 10
     autoscaling = role_autoscaling(cfg, role)
     if autoscaling is not None:
         options["autoscaling_config"] = autoscaling

@@ -5,6 +5,7 @@ Returns the first token at once; the request's blocks stay pinned until the send
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import asdict
@@ -60,6 +61,7 @@ class PrefillWorker:
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_transfers_failed = 0
         self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
+        self.drain_timeout_s = handoff_config.default_timeout_s
         logger.info("prefill worker ready: %d KV blocks of %d tokens (%s)",
                     self.engine.kv_manager.num_blocks, self.engine.layout.block_size,
                     "same-host decode workers read them" if exported else "pushed to decode")
@@ -174,7 +176,25 @@ class PrefillWorker:
         if self.async_engine.is_dead:
             raise RuntimeError("prefill engine thread died")
 
+    def drain(self, timeout_s: float) -> int:
+        """Wait (bounded) until no transfer this worker started still sends: a replica
+        that Serve stops (downscale, redeploy) finishes its handoffs first. Returns how
+        many were still sending at the deadline."""
+        try:
+            pending = self.async_engine.submit(
+                lambda: [t.released for t in self._transfers.values()]).result(timeout_s)
+        except Exception:  # noqa: BLE001 - a dead engine thread has nothing left to send
+            return 0
+        _, not_done = concurrent.futures.wait(pending, timeout=timeout_s)
+        return len(not_done)
+
     def __del__(self) -> None:
+        # Ray Serve calls this when it stops the replica, after its last prefill call
+        # returned; the KV of those calls may still be on its way.
+        left = self.drain(self.drain_timeout_s)
+        if left:
+            logger.warning("stopping with %d KV transfer(s) still sending; decode will "
+                           "recompute them", left)
         self.sender.close()
         self.transport.stop()
         self.async_engine.shutdown()

@@ -5,6 +5,9 @@ Errors leave as OpenAI error bodies (`http_errors.install_error_handlers`).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -24,12 +27,14 @@ def build_app(ingress: Ingress) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         ingress.admission.check_open()  # before the body is even read
-        return await ingress.chat(await request.body())
+        body = await request.body()
+        return await until_disconnected(request, ingress.chat(body))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         ingress.admission.check_open()
-        return await ingress.completion(await request.body())
+        body = await request.body()
+        return await until_disconnected(request, ingress.completion(body))
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -47,6 +52,30 @@ def build_app(ingress: Ingress) -> FastAPI:
         return Response(ingress.render_metrics(), media_type=ingress.metrics.content_type)
 
     return app
+
+
+async def until_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """Await ``answer``, cancelling it when the client disconnects first: nothing else would
+    stop a whole (non-streamed) generation nobody will read. A stream's response watches
+    for the disconnect itself once it has started."""
+    task = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _ray_backpressure_classes() -> tuple[type[BaseException], ...]:
