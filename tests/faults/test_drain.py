@@ -22,7 +22,7 @@ from served import free_port_range, wait_for
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
 LOCAL_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
-DRAIN_TIMEOUT_S = 6.0
+DRAIN_TIMEOUT_S = 3.0
 
 
 def pids_in_session(sid: int) -> list[int]:
@@ -88,7 +88,7 @@ def test_sigterm_drains_open_streams_and_refuses_new_requests(
     try:
         wait_for(lambda: _status(url) == 200 or server.poll() is not None, 180, "server up")
         assert server.poll() is None, log_path.read_text()[-3000:]
-        short, long = Stream(url, 40), Stream(url, 3500)
+        short, long = Stream(url, 40), Stream(url, 4000)
         for stream in (short, long):
             stream.start()
             assert stream.started.wait(60)
