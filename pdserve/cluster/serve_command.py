@@ -1,6 +1,7 @@
 """`pdserve serve [CONFIG]`: start (or join) Ray, run the application, serve until Ctrl-C.
 
-The embedded default is configs/local.yaml: tiny model, CPU, local Ray, HTTP on 127.0.0.1.
+The embedded default is configs/local.yaml: tiny model, CPU, a private local Ray, everything
+on loopback. Ray is imported only once `serve` has set up its environment (see `bind.py`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.cluster.app import build_from_config
+from pdserve.cluster.bind import bind_summary, keep_local_ray_private
 from pdserve.cluster.capacity import check_fits_cluster
 from pdserve.cluster.config import PdserveConfig, parse_config, read_config_data
 from pdserve.cluster.serve_config import (
@@ -34,6 +35,8 @@ def start(cfg: PdserveConfig, address: str = "local",
     import ray
     from ray import serve
 
+    from pdserve.cluster.app import build_from_config
+
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     if check_fit:
@@ -52,10 +55,12 @@ def start(cfg: PdserveConfig, address: str = "local",
 
 
 def serve(config_path: str | None, address: str = "local", check_fit: bool = True) -> int:
-    import ray
-
     data, source = read_config_data(config_path)
     cfg = parse_config(data, source)
+    if address == "local":
+        keep_local_ray_private()
+    import ray
+
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     stop = threading.Event()
     # After ray.init (which installs its own SIGTERM exit) and before the app starts: SIGTERM
@@ -65,6 +70,8 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
         signal.signal(signum, lambda *_: stop.set())
     try:
         url = start(cfg, address, data, check_fit)
+        print(bind_summary(cfg, ray.util.get_node_ip_address(),
+                           ray.get_runtime_context().gcs_address), flush=True)
         print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)",
               flush=True)
         stop.wait()

@@ -29,6 +29,7 @@ from pdserve.router.choices import (
     merged,
 )
 from pdserve.router.errors import RequestTimeoutError, ServiceUnavailableError
+from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.pipeline import (
     GenerationDelta,
@@ -63,6 +64,7 @@ class IngressSettings:
     max_in_flight: int
     request_timeout_s: float
     pipeline: PipelineSettings
+    http: HttpGuardSettings = HttpGuardSettings()
 
 
 class Ingress:

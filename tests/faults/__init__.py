@@ -1,0 +1,1 @@
+"""Fault tests: a package, so the Ray its conftest starts is shared by these modules only."""
