@@ -111,6 +111,9 @@ def _describe(document: dict[str, Any], served_model_name: str,
                 "schema": refs[(endpoint.request, "validation")]}}}
             operation["responses"] |= {status: {"description": text, "content": error}
                                        for status, text in _GENERATION_ERRORS.items()}
+    document["paths"][METRICS_PATH]["get"]["responses"] = {"200": {
+        "description": "Prometheus text exposition format",
+        "content": {"text/plain": {"schema": {"type": "string"}}}}}
     if guard.api_keys:
         _declare_bearer_auth(document, guard, error)
 

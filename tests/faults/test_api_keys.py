@@ -7,9 +7,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-
-from faults.conftest import EdgeCluster
-from faults.edge import ENV_KEY, YAML_KEY, assert_openai_error, keyed_app_config, open_app_config
+from edge_apps import ENV_KEY, YAML_KEY, assert_openai_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -28,14 +26,8 @@ BAD_AUTHORIZATIONS = [
 
 
 @pytest.fixture(scope="module")
-def keyed(edge_cluster: EdgeCluster, tiny_checkpoints: dict[str, str]) -> str:
-    return edge_cluster.app("keyed", keyed_app_config(tiny_checkpoints["llama"]),
-                            environ={"PDSERVE_API_KEY": ENV_KEY})
-
-
-@pytest.fixture(scope="module")
-def open_app(edge_cluster: EdgeCluster, tiny_checkpoints: dict[str, str]) -> str:
-    return edge_cluster.app("open", open_app_config(tiny_checkpoints["llama"]))
+def keyed(keyed_app: str) -> str:
+    return keyed_app
 
 
 def _call(url: str, method: str, path: str, body: dict | None,

@@ -16,10 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-
-from faults.conftest import free_port
-from faults.edge import wait_for
-from faults.processes import ListeningSocket, in_session, listening_sockets
+from fault_processes import ListeningSocket, in_session, listening_sockets
+from served import free_port, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -13,18 +13,11 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-
-from faults.conftest import EdgeCluster
-from faults.edge import OPEN_BODY_LIMIT, assert_openai_error, open_app_config
+from edge_apps import OPEN_BODY_LIMIT, assert_openai_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
 ANSWER_TIMEOUT_S = 30.0
-
-
-@pytest.fixture(scope="module")
-def open_app(edge_cluster: EdgeCluster, tiny_checkpoints: dict[str, str]) -> str:
-    return edge_cluster.app("open", open_app_config(tiny_checkpoints["llama"]))
 
 
 def _connect(url: str, headers: dict[str, str]) -> tuple[socket.socket, bytes]:

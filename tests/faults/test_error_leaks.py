@@ -10,14 +10,18 @@ import os
 import re
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from edge_apps import assert_openai_error
+from fault_processes import descendants, title
+from served import app_config, wait_for
 
-from faults.conftest import EdgeCluster
-from faults.edge import assert_openai_error, edge_config, wait_for
-from faults.processes import descendants, title
+if TYPE_CHECKING:
+    from served import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -35,8 +39,9 @@ INTERNALS = {
 
 
 @pytest.fixture(scope="module")
-def leak_app(edge_cluster: EdgeCluster, tiny_checkpoints: dict[str, str]) -> str:
-    return edge_cluster.app(APP, edge_config(tiny_checkpoints["llama"], mode="colocated"))
+def leak_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
+    with ray_serve.deploy(APP, app_config(tiny_checkpoints["llama"], "colocated")) as url:
+        yield url
 
 
 def _decode_replica_pid() -> int:

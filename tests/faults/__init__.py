@@ -1,1 +1,0 @@
-"""Fault tests: a package, so the Ray its conftest starts is shared by these modules only."""
