@@ -25,6 +25,7 @@ PDSERVE = str(Path(sys.executable).parent / "pdserve")
 LOCAL_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 WILDCARD = {"0.0.0.0", "::"}
+RAY_TOKEN = "bind-test-ray-token-" + "0" * 44
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,11 @@ def served(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoints: dict[str,
     config["http"]["port"] = port
     path, log_path = tmp / "serve.yaml", tmp / "serve.log"
     path.write_text(yaml.safe_dump(config))
+    # A token of ours (pdserve makes a random one when none is set), to check that it opens
+    # what the lack of it keeps shut.
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("RAY_", "PDSERVE_"))} | {"RAY_USAGE_STATS_ENABLED": "0"}
+           if not key.startswith(("RAY_", "PDSERVE_"))} | {"RAY_USAGE_STATS_ENABLED": "0",
+                                                            "RAY_AUTH_TOKEN": RAY_TOKEN}
     with log_path.open("w") as log:
         server = subprocess.Popen([PDSERVE, "serve", str(path)], stdout=log,
                                   stderr=subprocess.STDOUT, start_new_session=True, env=env)
@@ -95,8 +99,12 @@ def test_serve_replicas_wildcard_grpc_refuses_callers_without_ray_token(served) 
     ports = [s.port for s in listening_sockets(in_session(session)) if _serve_replica_grpc(s)]
     assert ports
     for port in ports:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.unary_unary("/ray.serve.ASGIService/HandleRequest")
-            with pytest.raises(grpc.RpcError) as caught:
-                call(b"", timeout=10)
-        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED, caught.value
+        codes = []
+        for metadata in ((), (("authorization", f"Bearer {RAY_TOKEN}"),)):
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                call = channel.unary_unary("/ray.serve.ASGIService/HandleRequest")
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(b"", timeout=10, metadata=metadata)  # an empty request: refused anyway
+            codes.append(caught.value.code())
+        # Without the token the call stops at Ray's auth check; with it, it gets past it.
+        assert codes[0] == grpc.StatusCode.UNAUTHENTICATED and codes[1] != codes[0], codes
