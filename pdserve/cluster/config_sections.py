@@ -240,8 +240,9 @@ class HandoffSection(Section):
     timeout_s: float = Field(30.0, gt=0, description="Deadline of one KV handoff.")
     net_devices: str | None = Field(
         None, description="UCX network devices for KV between machines (UCX_NET_DEVICES, e.g. "
-        "'mlx5_0:1' or 'eth0'); default: UCX picks. Peers connect by the worker address in "
-        "each ticket, so there is no listen address to set.")
+        "'mlx5_0:1' or 'eth0'); default: UCX picks, and its TCP transport listens on every "
+        "interface's address. 'lo' keeps it on loopback (one machine; shared memory needs no "
+        "device). Peers connect by the worker address in each ticket: no listen address to set.")
     staging_buffer_mb: int = Field(64, ge=1, description="Per-worker staging buffer for sends.")
     same_host_reads: bool = Field(
         True, description="Decode workers read KV straight out of a prefill worker's shared "
