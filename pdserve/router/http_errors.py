@@ -158,8 +158,9 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str | None, str]:
 
 
 def openai_error(exc: BaseException, context: str = "") -> OpenAIError:
-    """Status, body and headers for any exception; unexpected ones are logged with their
-    trace and ``context`` (e.g. the request's method and path)."""
+    """Status, body and headers for any exception. Unexpected ones are logged with their
+    trace, foreign ones (Ray's) with their message, both with ``context`` (e.g. the request's
+    method and path); neither message reaches the client."""
     exc = unwrap_remote_error(exc)
     spec = spec_for(exc)
     headers: dict[str, str] = {}
@@ -177,7 +178,7 @@ def openai_error(exc: BaseException, context: str = "") -> OpenAIError:
     elif _is_pdserve_error(exc):
         message = str(exc) or type(exc).__name__
     else:
-        logger.warning("%s answered %d: %s: %s", context or "request", spec.status,
+        logger.warning("%s failed (answered %d): %s: %s", context or "request", spec.status,
                        type(exc).__name__, exc)
         message = spec.public_message
     if isinstance(exc, OverloadedError):
