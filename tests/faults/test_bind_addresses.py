@@ -78,6 +78,12 @@ def test_default_config_listens_on_loopback_only(served) -> None:
         "model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"], "max_tokens": 4,
         "messages": [{"role": "user", "content": "hello " * 40}]})
     assert reply.status_code == 200, reply.text
+    # The KV really moved over the restricted transports: no fallback to recomputing it.
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+    assert any(line.startswith("pdserve:requests_total{") and 'path="disaggregated"' in line
+               and 'status="ok"' in line and float(line.split()[-1]) >= 1 for line in metrics)
+    assert not [line for line in metrics if line.startswith("pdserve:fallbacks_total{")
+                and float(line.split()[-1]) > 0]
     sockets = listening_sockets(in_session(session))
     assert any(s.port == int(url.rsplit(":", 1)[1]) for s in sockets)  # the check sees HTTP
     exposed = [s for s in sockets if s.host not in LOOPBACK and not _serve_replica_grpc(s)]
