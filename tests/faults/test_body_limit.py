@@ -66,9 +66,10 @@ def test_chunked_body_is_refused_while_still_being_sent(open_app: str) -> None:
     sock, head = _connect(open_app, {"Transfer-Encoding": "chunked"})
     piece = 32 * 1024
     chunk = _chunk(b"x" * piece)
-    sent, deadline = 0, time.monotonic() + ANSWER_TIMEOUT_S
+    start = b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+    sent, deadline = len(start), time.monotonic() + ANSWER_TIMEOUT_S  # body bytes sent
     with sock:
-        sock.sendall(head + _chunk(b'{"model": "tiny", "messages": [{"role": "user", "content": "'))
+        sock.sendall(head + _chunk(start))
         while not select.select([sock], [], [], PACE_S)[0]:  # about 3 MB/s
             assert time.monotonic() < deadline, f"no answer after sending {sent} bytes"
             sock.sendall(chunk)
