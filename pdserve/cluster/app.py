@@ -20,6 +20,7 @@ from pdserve.decode.worker import DecodeWorker
 from pdserve.engine.model_config import ModelConfig
 from pdserve.handoff.config import MIB, HandoffConfig
 from pdserve.prefill.worker import PrefillWorker
+from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.ingress import Ingress, IngressSettings
 from pdserve.router.pipeline import PipelineSettings
 from pdserve.router.prefill_load import LocalPrefillPolicy
@@ -112,6 +113,9 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
             local_prefill=LocalPrefillPolicy(cfg.router.local_prefill_max_tokens,
                                              cfg.router.local_prefill_queue_factor),
             stream_interval_s=cfg.router.stream_interval_ms / 1000.0),
+        http=HttpGuardSettings(max_body_bytes=cfg.http.max_body_bytes,
+                               api_keys=cfg.resolve_api_keys(),
+                               metrics_require_api_key=cfg.http.metrics_require_api_key),
     )
     # The ingress refuses beyond its admission limit itself (429 with an OpenAI body, before
     # any work), so Serve lets through a little more than that limit, and a proxy in front

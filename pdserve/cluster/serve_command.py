@@ -1,6 +1,7 @@
 """`pdserve serve [CONFIG]`: start (or join) Ray, run the application, serve until Ctrl-C.
 
-The embedded default is configs/local.yaml: tiny model, CPU, local Ray, HTTP on 127.0.0.1.
+The embedded default is configs/local.yaml: tiny model, CPU, a private local Ray, everything
+on loopback. Ray is imported only once `serve` has set up its environment (see `bind.py`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.cluster.app import build_from_config
+from pdserve.cluster.bind import bind_summary, keep_local_ray_private
 from pdserve.cluster.capacity import check_fits_cluster
 from pdserve.cluster.config import PdserveConfig, parse_config, read_config_data
 from pdserve.cluster.frontend import frontend_for, ingress_ports
@@ -36,9 +37,11 @@ def start(cfg: PdserveConfig, address: str = "local",
     import ray
     from ray import serve
 
+    from pdserve.cluster.app import build_from_config
+
     frontend = frontend_for(cfg.http)
     if not ray.is_initialized():
-        init_ray(cfg, address)
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     if check_fit:
         # Refuse before anything starts; Serve would otherwise leave replicas pending forever.
         check_fits_cluster(cfg.replica_plan(), ray.cluster_resources(),
@@ -69,12 +72,14 @@ def serving_port(cfg: PdserveConfig, proxy_port: int) -> int:
 
 
 def init_ray(cfg: PdserveConfig, address: str) -> None:
-    """Start a private Ray (``local``) with the frontend's settings, or join ``address``
-    (whose processes already run with theirs)."""
+    """Start a private Ray (``local``: loopback only, token auth, and the frontend's Serve
+    settings, which Ray's processes read from their environment), or join ``address``
+    (whose processes already run with theirs). Must come before Ray is imported."""
+    if address == "local":
+        keep_local_ray_private()
+        os.environ.update(frontend_for(cfg.http).env)
     import ray
 
-    if address == "local":  # Ray's processes take Serve's settings from their environment
-        os.environ.update(frontend_for(cfg.http).env)
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
 
 
@@ -110,6 +115,8 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
     data, source = read_config_data(config_path)
     cfg = parse_config(data, source)
     init_ray(cfg, address)
+    import ray
+
     stop = threading.Event()
     # After ray.init (which installs its own SIGTERM exit) and before the app starts: SIGTERM
     # (process managers, `kill`) and SIGINT, even where a background start left it ignored,
@@ -118,6 +125,8 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
         signal.signal(signum, lambda *_: stop.set())
     try:
         url = start(cfg, address, data, check_fit)
+        print(bind_summary(cfg, ray.util.get_node_ip_address(),
+                           ray.get_runtime_context().gcs_address), flush=True)
         print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)",
               flush=True)
         stop.wait()

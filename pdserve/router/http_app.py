@@ -14,6 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.router.http_errors import install_error_handlers
+from pdserve.router.http_guard import HttpGuard
+from pdserve.router.openapi import install_openapi
 from pdserve.router.protocol import ModelCard, ModelList, unix_time
 
 if TYPE_CHECKING:
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
 def build_app(ingress: Ingress) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible PD-disaggregated serving")
     install_error_handlers(app, extra_exception_classes=_ray_backpressure_classes())
+    app.add_middleware(HttpGuard, settings=ingress.settings.http)
+    install_openapi(app, ingress.settings.served_model_name, ingress.settings.http)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

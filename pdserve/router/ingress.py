@@ -29,6 +29,7 @@ from pdserve.router.choices import (
     merged,
 )
 from pdserve.router.errors import RequestTimeoutError, ServiceUnavailableError
+from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.pipeline import (
     GenerationDelta,
@@ -63,6 +64,7 @@ class IngressSettings:
     max_in_flight: int
     request_timeout_s: float
     pipeline: PipelineSettings
+    http: HttpGuardSettings = HttpGuardSettings()
 
 
 class Ingress:
@@ -192,7 +194,8 @@ class Ingress:
             yield writer.end(runs)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             status = "error"
-            logger.warning("request %s failed mid-stream: %s", writer.ctx.request_id, exc)
+            logger.info("request %s ended mid-stream with an error event",
+                        writer.ctx.request_id)
             yield error_event(exc) + DONE_EVENT
         finally:
             await self._end_all(runs, status)

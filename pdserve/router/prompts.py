@@ -43,8 +43,10 @@ class PromptBuilder:
 
     def _chat(self, body: bytes, start: float) -> Prompt[ChatCompletionRequest]:
         req = self._parse(ChatCompletionRequest, body)
-        text = self.tokenizer.apply_chat_template(req.template_messages())
-        return self._prompt(req, self._encode(text), start)
+        messages = req.template_messages()
+        self._check_fits(self.tokenizer.apply_chat_template(messages))
+        # Content's special-token text becomes text tokens: content cannot forge a role.
+        return self._prompt(req, self.tokenizer.encode_chat(messages), start)
 
     def _completion(self, body: bytes, start: float) -> Prompt[CompletionRequest]:
         req = self._parse(CompletionRequest, body)
@@ -63,10 +65,13 @@ class PromptBuilder:
         return Prompt(req, ids, start, (time.monotonic() - start) * 1000.0)
 
     def _encode(self, text: str) -> list[int]:
+        self._check_fits(text)
+        return self.tokenizer.encode(text)
+
+    def _check_fits(self, text: str) -> None:
         """Refuses a text that cannot fit before spending the time to tokenize it."""
         at_least = self.tokenizer.min_num_tokens(text)
         if at_least >= self.max_model_len:
             raise PromptTooLongError(at_least, self.max_model_len,
                                      "(at least: a bound from its length, not tokenized); "
                                      "shorten the prompt")
-        return self.tokenizer.encode(text)

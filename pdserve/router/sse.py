@@ -54,8 +54,8 @@ def sse_event(payload: BaseModel | dict[str, Any]) -> str:
 
 
 def error_event(exc: BaseException) -> str:
-    """The event that reports a failure after the stream started."""
-    return sse_event(openai_error(exc).body)
+    """The event that reports a failure after the stream started (its detail is logged)."""
+    return sse_event(openai_error(exc, "a stream").body)
 
 
 def split_sse_data(text: str) -> list[str]:
