@@ -57,12 +57,14 @@ def ray_serve() -> Iterator[ServedApps]:
 
 @pytest.fixture(scope="session")
 def served_apps(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> ServedApps:
-    """The disaggregated (``disagg``) and the colocated (``colo``) app most serving tests
-    talk to, deployed once for the session."""
+    """The apps most serving tests talk to, deployed once for the session: ``disagg``
+    (disaggregated), ``colo`` (colocated, admitting only 4 requests at once, to exercise
+    admission control) and ``batched`` (disaggregated, a stream's tokens batched per 50 ms)."""
     from served import app_config
 
     path = tiny_checkpoints["llama"]
-    # The colocated app admits few requests at once, to exercise admission control.
-    for name, mode, limit in (("disagg", "disaggregated", 64), ("colo", "colocated", 4)):
-        ray_serve.start_app(name, app_config(path, mode, max_queued_requests=limit))
+    for name, mode, router in (("disagg", "disaggregated", {"max_queued_requests": 64}),
+                               ("colo", "colocated", {"max_queued_requests": 4}),
+                               ("batched", "disaggregated", {"stream_interval_ms": 50})):
+        ray_serve.start_app(name, app_config(path, mode, **router))
     return ray_serve

@@ -10,7 +10,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 HANDOFF_TOKEN = "test-cluster-token-0123456789"
@@ -51,10 +51,18 @@ def app_config(model_path: str, mode: str, **router: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ServedApps:
-    base_url: str  # http://127.0.0.1:PORT
+    """Apps on one Serve instance. Each app's ingress replica serves HTTP on its own port
+    (direct ingress, as `pdserve serve` runs it); `proxy_url` is Serve's proxy."""
+
+    proxy_url: str  # http://127.0.0.1:PORT
+    _ports: dict[str, int] = field(default_factory=dict)
 
     def url(self, app: str) -> str:
-        return f"{self.base_url}/{app}"
+        if app not in self._ports:
+            from pdserve.cluster.frontend import ingress_ports
+
+            self._ports[app] = ingress_ports(app)[0]
+        return f"http://127.0.0.1:{self._ports[app]}/{app}"
 
     def kv_stats(self, app: str) -> dict[str, dict[str, int]]:
         """Every role's block and queue counts, from one replica of each."""
@@ -88,6 +96,7 @@ class ServedApps:
 
         cfg = parse_config(raw_config, source=f"test app {name}")
         serve.run(build_from_config(cfg), name=name, route_prefix=f"/{name}")
+        self._ports.pop(name, None)
         return self.url(name)
 
     @contextmanager
@@ -103,15 +112,68 @@ class ServedApps:
 
 @contextmanager
 def local_ray_serve(num_cpus: int = 16) -> Iterator[ServedApps]:
-    """A fresh local Ray (never one found on the machine) with Serve on a free port."""
+    """A fresh local Ray (never one found on the machine) with Serve set up as `pdserve
+    serve` sets it up (direct ingress), its ports in a free range."""
+    import os
+
     import ray
     from ray import serve
 
-    port = free_port()
+    from pdserve.cluster.frontend import MAX_INGRESS_REPLICAS_PER_NODE, direct_ingress_env
+
+    first = free_port_range(MAX_INGRESS_REPLICAS_PER_NODE + 1)
+    saved = dict(os.environ)
+    os.environ.update(direct_ingress_env(first))
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield ServedApps(f"http://127.0.0.1:{port}")
+        proxy_port = first + MAX_INGRESS_REPLICAS_PER_NODE
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+        yield ServedApps(f"http://127.0.0.1:{proxy_port}")
     finally:
         serve.shutdown()
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive ports free right now (from a random start)."""
+    import random
+
+    for _ in range(200):
+        first = random.randrange(20000, 60000 - count)
+        try:
+            sockets = []
+            for port in range(first, first + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def listener_pids(port: int) -> set[int]:
+    """The processes holding a socket that listens on ``port`` (TCP, IPv4 or IPv6)."""
+    import os
+    from pathlib import Path
+
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{fields[9]}]")
+    pids = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+            if any(os.readlink(f"/proc/{entry}/fd/{fd}") in inodes for fd in fds):
+                pids.add(int(entry))
+        except OSError:
+            continue
+    return pids

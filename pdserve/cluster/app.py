@@ -11,7 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import RequestRouterConfig
+from ray.serve.config import BackpressureConfig, RequestRouterConfig
 
 from pdserve.cluster.config import PdserveConfig, load_config, parse_config
 from pdserve.cluster.model_source import resolve_model_path
@@ -20,8 +20,10 @@ from pdserve.decode.worker import DecodeWorker
 from pdserve.engine.model_config import ModelConfig
 from pdserve.handoff.config import MIB, HandoffConfig
 from pdserve.prefill.worker import PrefillWorker
+from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.ingress import Ingress, IngressSettings
 from pdserve.router.pipeline import PipelineSettings
+from pdserve.router.prefill_load import LocalPrefillPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,10 @@ def handoff_config(cfg: PdserveConfig) -> HandoffConfig:
         net_devices=cfg.handoff.net_devices,
     )
 
+
+# Requests past the admission limit that Serve still hands to the ingress, which answers them
+# with a quick 429 (plus /health and /metrics).
+INGRESS_HEADROOM = 64
 
 ROUTERS = {
     "prefix_affinity": "pdserve.router.replica_routing:PrefixAffinityRouter",
@@ -64,6 +70,10 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
     router = _request_router(cfg, role)
     if router is not None:
         options["request_router_config"] = router
+    if role == "prefill":
+        # Serve stops a replica this long after its last call returned at most; the KV of
+        # those calls is still sending (the worker waits for it in __del__).
+        options["graceful_shutdown_timeout_s"] = cfg.handoff.timeout_s + 10
     autoscaling = role_autoscaling(cfg, role)
     if autoscaling is not None:
         options["autoscaling_config"] = autoscaling
@@ -98,12 +108,24 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
         request_timeout_s=cfg.router.request_timeout_s,
         pipeline=PipelineSettings(
             mode=cfg.mode,
-            min_disaggregated_prompt_tokens=cfg.router.min_disaggregated_prompt_tokens),
+            min_disaggregated_prompt_tokens=cfg.router.min_disaggregated_prompt_tokens,
+            local_prefill=LocalPrefillPolicy(cfg.router.local_prefill_max_tokens,
+                                             cfg.router.local_prefill_queue_factor),
+            stream_interval_s=cfg.router.stream_interval_ms / 1000.0),
+        http=HttpGuardSettings(max_body_bytes=cfg.http.max_body_bytes,
+                               api_keys=cfg.resolve_api_keys(),
+                               metrics_require_api_key=cfg.http.metrics_require_api_key),
     )
+    # The ingress refuses beyond its admission limit itself (429 with an OpenAI body, before
+    # any work), so Serve lets through a little more than that limit, and a proxy in front
+    # (http.frontend: proxy) holds no more than that while it hands requests over: overload
+    # is refused at once instead of waiting in line there.
     ingress = serve.deployment(
         serve.ingress()(Ingress), name="ingress", num_replicas=cfg.router.replicas,
         ray_actor_options={"num_cpus": cfg.router.num_cpus},
-        max_ongoing_requests=cfg.router.max_queued_requests * 2,
+        max_ongoing_requests=cfg.router.max_queued_requests + INGRESS_HEADROOM,
+        max_queued_requests=cfg.router.max_queued_requests + INGRESS_HEADROOM,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
     )
     return ingress.bind(decode, prefill, settings)
 

@@ -35,12 +35,14 @@ from pdserve.cluster.config_sections import (
     Roles,
     RouterSection,
     Section,
+    check_api_key,
 )
 
 if TYPE_CHECKING:
     from pdserve.engine.engine_config import EngineConfig
 
 DEFAULT_CONFIG_NAME = "local.yaml"
+API_KEY_ENV = "PDSERVE_API_KEY"
 
 
 def _problems_error(problems: list[tuple[str, str]]) -> PydanticCustomError:
@@ -154,6 +156,17 @@ class PdserveConfig(Section):
                                f"export a random token of at least {MIN_TOKEN_CHARS} characters "
                                "or remove the key"])
         return value
+
+    def resolve_api_keys(self, environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+        """The HTTP API's keys: ``http.api_keys`` and those in ``$PDSERVE_API_KEY`` (comma
+        separated); empty: no authentication. The only place pdserve reads that variable."""
+        keys = [key.get_secret_value() for key in self.http.api_keys]
+        raw = (os.environ if environ is None else environ).get(API_KEY_ENV, "")
+        try:
+            keys += [check_api_key(key.strip()) for key in raw.split(",") if key.strip()]
+        except ValueError as exc:
+            raise ConfigError([f"${API_KEY_ENV}: {exc}"]) from exc
+        return tuple(dict.fromkeys(keys))
 
 
 def _role_shape_problems(cfg: PdserveConfig) -> Iterator[tuple[str, str]]:

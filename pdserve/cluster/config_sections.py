@@ -7,9 +7,18 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 from pdserve.cluster.capacity import RatioBand, RatioTerms, ReplicaResources, parse_ratio
+from pdserve.router.http_guard import DEFAULT_MAX_BODY_BYTES
 
 # A guessable handoff token would let any peer write into decode workers' KV caches.
 MIN_TOKEN_CHARS = 16
@@ -205,6 +214,17 @@ class RouterSection(Section):
     decode_policy: Literal["kv_headroom", "prefix_affinity", "least_loaded", "round_robin"] = Field(
         "kv_headroom", description="How the router picks a decode replica (prefix_affinity: "
         "where the prompt's prefix went last, whose cached KV then need not be sent again).")
+    local_prefill_max_tokens: int = Field(
+        512, ge=0, description="Prompts up to this long may be prefilled on their decode "
+        "worker while the prefill role is busy (longer ones always go to prefill: on decode "
+        "they would stall every stream there).")
+    local_prefill_queue_factor: float = Field(
+        2.0, ge=0, description="...busy meaning: more prompt tokens queued per prefill replica "
+        "than this many times the prompt's own; 0: never prefill on decode by load.")
+    stream_interval_ms: float = Field(
+        0.0, ge=0, description="A stream's tokens cross from the decode worker at most once "
+        "per interval, several tokens per chunk (the first token is never held back); 0: "
+        "every engine step's tokens as they come.")
     ratio_band: RatioBandSection | None = Field(
         None, description="Allowed prefill:decode replica ratio while autoscaling.")
     replicas: int = Field(1, ge=1, description="Ingress (HTTP) replicas.")
@@ -220,8 +240,9 @@ class HandoffSection(Section):
     timeout_s: float = Field(30.0, gt=0, description="Deadline of one KV handoff.")
     net_devices: str | None = Field(
         None, description="UCX network devices for KV between machines (UCX_NET_DEVICES, e.g. "
-        "'mlx5_0:1' or 'eth0'); default: UCX picks. Peers connect by the worker address in "
-        "each ticket, so there is no listen address to set.")
+        "'mlx5_0:1' or 'eth0'); default: UCX picks, and its TCP transport listens on every "
+        "interface's address. 'lo' keeps it on loopback (one machine; shared memory needs no "
+        "device). Peers connect by the worker address in each ticket: no listen address to set.")
     staging_buffer_mb: int = Field(
         64, ge=1, description="Per-worker staging for KV pieces in flight (sender and "
         "receiver each).")
@@ -239,5 +260,41 @@ class HandoffSection(Section):
 
 
 class HttpSection(Section):
-    host: str = Field("127.0.0.1", description="Address the HTTP server binds.")
+    host: str = Field("127.0.0.1", description="Address the HTTP server binds; 0.0.0.0 (or a "
+                      "host's address) serves other machines, and then api_keys should be set.")
     port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP server.")
+    frontend: Literal["direct", "proxy"] = Field(
+        "direct", description="direct: the ingress replica serves HTTP itself on `port` "
+        "(Serve's direct ingress, no proxy hop per token); proxy: Serve's HTTP proxy serves "
+        "`port` and forwards to the ingress. Applies where `pdserve serve` starts Ray.")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM: how long open requests may finish (new ones get "
+        "503) before the rest are ended with an error event.")
+    max_body_bytes: int = Field(
+        DEFAULT_MAX_BODY_BYTES, ge=1024, description="Largest request body accepted: a larger "
+        "Content-Length is answered 413 before the body is read, and a streamed (chunked) body "
+        "is answered 413 as soon as it grows past this. 4 MiB holds a ~500k-token ASCII prompt "
+        "(JSON escapes make non-ASCII text up to 6x longer); raise it for longer contexts.")
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description="Bearer tokens the HTTP API accepts (Authorization: "
+        "Bearer KEY); the environment variable PDSERVE_API_KEY adds one (or several, comma "
+        "separated). None here and none there: no authentication. GET /health stays open.")
+    metrics_require_api_key: bool = Field(
+        True, description="Whether GET /metrics needs an API key too (when keys are set); false "
+        "lets a Prometheus scraper in without one.")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _long_keys(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for key in keys:
+            check_api_key(key.get_secret_value())
+        return keys
+
+
+def check_api_key(key: str) -> str:
+    """An API key worth having: long enough not to be guessed, no spaces (a header value)."""
+    if len(key) < MIN_TOKEN_CHARS or any(c.isspace() for c in key):
+        raise ValueError(f"an API key needs at least {MIN_TOKEN_CHARS} characters and no "
+                         "spaces; make one with: python -c 'import secrets; "
+                         "print(secrets.token_urlsafe(24))'")
+    return key

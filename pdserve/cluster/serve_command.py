@@ -1,19 +1,22 @@
 """`pdserve serve [CONFIG]`: start (or join) Ray, run the application, serve until Ctrl-C.
 
-The embedded default is configs/local.yaml: tiny model, CPU, local Ray, HTTP on 127.0.0.1.
+The embedded default is configs/local.yaml: tiny model, CPU, a private local Ray, everything
+on loopback. Ray is imported only once `serve` has set up its environment (see `bind.py`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.cluster.app import build_from_config
+from pdserve.cluster.bind import bind_summary, keep_local_ray_private
 from pdserve.cluster.capacity import check_fits_cluster
 from pdserve.cluster.config import PdserveConfig, parse_config, read_config_data
+from pdserve.cluster.frontend import frontend_for, ingress_ports
 from pdserve.cluster.serve_config import (
     APP_NAME,
     band_applies,
@@ -34,6 +37,9 @@ def start(cfg: PdserveConfig, address: str = "local",
     import ray
     from ray import serve
 
+    from pdserve.cluster.app import build_from_config
+
+    frontend = frontend_for(cfg.http)
     if not ray.is_initialized():
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     if check_fit:
@@ -46,17 +52,71 @@ def start(cfg: PdserveConfig, address: str = "local",
         print(cfg.replica_plan().summary())
         deploy_serve_config(serve_deploy_config(data, cfg, APP_NAME))
     else:
-        serve.start(http_options={"host": cfg.http.host, "port": cfg.http.port})
+        serve.start(http_options={"host": cfg.http.host, "port": frontend.proxy_port})
         serve.run(build_from_config(cfg), name=APP_NAME, route_prefix="/")
-    return f"http://{cfg.http.host}:{cfg.http.port}"
+    return f"http://{cfg.http.host}:{serving_port(cfg, frontend.proxy_port)}"
+
+
+def serving_port(cfg: PdserveConfig, proxy_port: int) -> int:
+    """Where clients reach the app: the first ingress replica's own port, or the proxy's
+    (a joined cluster whose Ray was started without the direct-ingress settings)."""
+    if cfg.http.frontend == "proxy":
+        return proxy_port
+    ports = ingress_ports(APP_NAME)
+    if cfg.http.port in ports:
+        return cfg.http.port
+    logger.warning("http.frontend is direct but this Ray serves the ingress on %s; start Ray "
+                   "with the direct-ingress environment (docs/cluster.md)",
+                   ports or f"Serve's proxy (port {proxy_port})")
+    return ports[0] if ports else proxy_port
+
+
+def init_ray(cfg: PdserveConfig, address: str) -> None:
+    """Start a private Ray (``local``: loopback only, token auth, and the frontend's Serve
+    settings, which Ray's processes read from their environment), or join ``address``
+    (whose processes already run with theirs). Must come before Ray is imported."""
+    if address == "local":
+        keep_local_ray_private()
+        os.environ.update(frontend_for(cfg.http).env)
+    import ray
+
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+
+
+def drain(cfg: PdserveConfig, app_name: str = APP_NAME) -> None:
+    """Every ingress replica stops admitting and lets its requests finish (up to
+    ``http.drain_timeout_s``), then ends the rest, before Serve stops."""
+    from ray import serve
+
+    app = serve.status().applications.get(app_name)
+    if app is None or "ingress" not in app.deployments:
+        return
+    num_replicas = app.deployments["ingress"].replica_states.get("RUNNING", 0)
+    handle = serve.get_app_handle(app_name)
+    drained: set[str] = set()
+    for _ in range(3):  # Serve routes each call: ask again until every replica answered
+        calls = [handle.drain.remote(cfg.http.drain_timeout_s)
+                 for _ in range(num_replicas - len(drained))]
+        for call in calls:
+            try:
+                done = call.result(timeout_s=cfg.http.drain_timeout_s + 30)
+            except Exception as exc:  # noqa: BLE001 - a replica that cannot drain just stops
+                logger.warning("an ingress replica did not drain: %s", exc)
+                continue
+            drained.add(done["replica_id"])
+            if done["num_stopped"]:
+                logger.warning("drain: %d generation(s) were still running after %.0f s and "
+                               "were stopped", done["num_stopped"], cfg.http.drain_timeout_s)
+        if len(drained) >= num_replicas:
+            return
 
 
 def serve(config_path: str | None, address: str = "local", check_fit: bool = True) -> int:
-    import ray
-
     data, source = read_config_data(config_path)
     cfg = parse_config(data, source)
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    init_ray(cfg, address)
+    import ray
+
     stop = threading.Event()
     # After ray.init (which installs its own SIGTERM exit) and before the app starts: SIGTERM
     # (process managers, `kill`) and SIGINT, even where a background start left it ignored,
@@ -65,9 +125,13 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
         signal.signal(signum, lambda *_: stop.set())
     try:
         url = start(cfg, address, data, check_fit)
+        print(bind_summary(cfg, ray.util.get_node_ip_address(),
+                           ray.get_runtime_context().gcs_address), flush=True)
         print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)",
               flush=True)
         stop.wait()
+        print("pdserve is draining (new requests get 503)", flush=True)
+        drain(cfg)
     finally:
         from ray import serve as ray_serve
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from pdserve.cluster.band_policy import POLICY_PATH
 from pdserve.cluster.config import PdserveConfig
+from pdserve.cluster.frontend import frontend_for
 
 BUILDER_PATH = "pdserve.cluster.app:build"
 APP_NAME = "pdserve"
@@ -64,9 +65,10 @@ def serve_application(args: Mapping[str, Any], cfg: PdserveConfig, name: str = A
 
 def serve_deploy_config(args: Mapping[str, Any], cfg: PdserveConfig, name: str = APP_NAME,
                         proxy_location: str = "EveryNode") -> dict[str, Any]:
-    """A whole Serve config file (Serve's ServeDeploySchema) serving one pdserve app."""
+    """A whole Serve config file (Serve's ServeDeploySchema) serving one pdserve app; Serve's
+    proxy port is the one `http.frontend` leaves it."""
     return {"proxy_location": proxy_location,
-            "http_options": {"host": cfg.http.host, "port": cfg.http.port},
+            "http_options": {"host": cfg.http.host, "port": frontend_for(cfg.http).proxy_port},
             "applications": [serve_application(args, cfg, name)]}
 
 

@@ -26,6 +26,10 @@ class DecodeRequest:
     local_prefill: bool
     # Output tokens the client already has (recompute fallback): recomputed, not generated.
     resume_output_ids: tuple[int, ...] = ()
+    # How often the stream may carry new tokens: the first at once, then at most one event
+    # per interval with every token since (0: as they come; None: only the finished event,
+    # for a client that reads the whole answer at once).
+    stream_interval_s: float | None = 0.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,8 @@ class DecodeEvent:
     # KV); "ticket": prompt tokens whose KV it already holds, so the ticket leaves them out.
     num_cached_tokens: int = 0
     reason: str = ""
+    # "handoff_failed": what failed, in a word from the error's class (timeout, digest, ...).
+    error_kind: str = ""
     # Disaggregated path only: seconds from the ticket until the fence verified (this
     # overlaps the prefill), and the KV bytes that arrived.
     handoff_wait_s: float = 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -19,6 +20,7 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 from pdserve.log import configure_logging
+from pdserve.replica import replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,12 @@ def tokens_event(out: RequestOutput, prefilled_here: bool = True) -> DecodeEvent
         num_output_tokens=out.num_output_tokens,
         num_cached_tokens=out.num_cached_tokens if prefilled_here else 0,
     )
+
+
+def handoff_error_kind(exc: HandoffError) -> str:
+    """HandoffTimeoutError -> "timeout", HandoffPeerGoneError -> "peer_gone", ..."""
+    name = type(exc).__name__.removeprefix("Handoff").removesuffix("Error") or "other"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 class DecodeWorker:
@@ -60,7 +68,7 @@ class DecodeWorker:
         if request.local_prefill or self.receiver is None:
             async for out in self.async_engine.generate(
                 request.request_id, request.prompt_token_ids, request.sampling_params,
-                RequestMode.FULL, request.resume_output_ids,
+                RequestMode.FULL, request.resume_output_ids, request.stream_interval_s,
             ):
                 yield tokens_event(out)
             return
@@ -89,7 +97,8 @@ class DecodeWorker:
                 logger.warning("handoff for %s failed: %s", rid, exc)
                 finished = True
                 await self.async_engine.call(lambda: self.engine.abort(rid))
-                yield DecodeEvent(kind="handoff_failed", reason=str(exc))
+                yield DecodeEvent(kind="handoff_failed", reason=str(exc),
+                                  error_kind=handoff_error_kind(exc))
                 return
             first = await self.async_engine.call(
                 lambda: self.engine.activate_received(rid, fence.first_token_id))
@@ -100,7 +109,8 @@ class DecodeWorker:
                               handoff_bytes=fence.num_bytes)
             finished = first.finished
             if not finished:
-                async for out in self.async_engine.stream(rid, stream):
+                async for out in self.async_engine.stream(rid, stream,
+                                                          request.stream_interval_s):
                     finished = out.finished
                     yield tokens_event(out, prefilled_here=False)
         finally:
@@ -133,6 +143,14 @@ class DecodeWorker:
     def handoff_stats(self) -> dict[str, Any]:
         """The KV receiver's counters (pieces landed and drained; transfers by outcome)."""
         return {} if self.receiver is None else asdict(self.receiver.stats())
+
+    def role_stats(self) -> dict[str, Any]:
+        """This replica's KV use and queues for the ingress's health and metrics (read
+        without the engine thread: counters only, no integrity check)."""
+        kv, sched = self.engine.kv_manager, self.engine.scheduler
+        return {"replica_id": replica_id(), "num_blocks": kv.num_blocks,
+                "num_free_blocks": kv.num_free_blocks, "num_running": sched.num_running,
+                "num_waiting": sched.num_waiting + sched.num_awaiting_kv}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve calls this periodically; the decode request router ranks replicas on it."""

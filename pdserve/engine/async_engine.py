@@ -7,12 +7,13 @@ thread, between steps, so the engine itself needs no locks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import LayerHook, LLMEngine, RequestOutput
@@ -28,10 +29,57 @@ class EngineDeadError(EngineError):
     """The engine thread crashed; the worker must be restarted."""
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    """One request's outputs on their way from the engine thread to its event loop.
+
+    A reader takes everything that arrived since it last looked, so outputs pile up into one
+    batch while it is busy or waiting out its interval; a finished output or an error wakes
+    it at once.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._wake_on_any = True
+        self._urgent = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Event-loop thread only (the engine thread goes through `call_soon_threadsafe`)."""
+        self._items.append(item)
+        if isinstance(item, BaseException) or item.finished:
+            self._urgent = True
+        if self._waiter is not None and (self._urgent or self._wake_on_any):
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self, wake_on_any: bool) -> None:
+        self._wake_on_any = wake_on_any
+        self._waiter = self.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def take(self, not_before: float | None) -> list[RequestOutput | BaseException]:
+        """Everything queued, once something is; wait until ``not_before`` (loop time) for
+        more unless a finished output or an error arrived (None: wait for one of those)."""
+        while not self._items:
+            await self._wait(wake_on_any=True)
+        if not self._urgent and (not_before is None or not_before > self.loop.time()):
+            timer = None if not_before is None else self.loop.call_at(not_before, self._wake)
+            try:
+                await self._wait(wake_on_any=False)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        items = list(self._items)
+        self._items.clear()
+        self._urgent = False
+        return items
 
 
 class AsyncEngine:
@@ -70,14 +118,16 @@ class AsyncEngine:
         params: SamplingParams,
         mode: RequestMode = RequestMode.FULL,
         resume_output_ids: Sequence[int] = (),
+        interval_s: float | None = 0.0,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes; cancelling aborts it."""
+        """Add a request and yield its outputs until it finishes (batched as `stream` does);
+        cancelling aborts it."""
         stream = self.open_stream(request_id)
         finished = False
         try:
             await self.call(lambda: self.engine.add_request(
                 request_id, prompt_token_ids, params, mode, resume_output_ids))
-            async for out in self.stream(request_id, stream):
+            async for out in self.stream(request_id, stream, interval_s):
                 finished = out.finished
                 yield out
         finally:
@@ -85,18 +135,29 @@ class AsyncEngine:
 
     def open_stream(self, request_id: str) -> _Stream:
         """Register for a request's outputs before it can produce any."""
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         return stream
 
-    async def stream(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+    async def stream(self, request_id: str, stream: _Stream,
+                     interval_s: float | None = 0.0) -> AsyncIterator[RequestOutput]:
+        """A request's outputs: the first at once, then at most one (merged) output per
+        ``interval_s`` -- 0: whatever arrived while the caller was busy, None: only the
+        finished one. A finished output is never held back."""
+        not_before = 0.0
         while True:
-            item = await stream.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
-                return
+            items = await stream.take(not_before)
+            outputs = [i for i in items if not isinstance(i, BaseException)]
+            if outputs:
+                merged = outputs[0] if len(outputs) == 1 else merge_outputs(outputs)
+                loop_time = stream.loop.time()
+                not_before = None if interval_s is None else loop_time + interval_s
+                yield merged
+                if merged.finished:
+                    return
+            errors = [i for i in items if isinstance(i, BaseException)]
+            if errors:
+                raise errors[0]
 
     async def close_stream(self, request_id: str, abort: bool) -> None:
         """Forget the stream; with `abort`, stop the request and free its blocks (the caller
@@ -148,15 +209,26 @@ class AsyncEngine:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+                stream.loop.call_soon_threadsafe(stream.put, out)
 
     def _fail_everything(self, exc: BaseException) -> None:
         dead = EngineDeadError(f"engine thread died: {exc!r}")
         for stream in list(self._streams.values()):
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, dead)
+            stream.loop.call_soon_threadsafe(stream.put, dead)
         while True:
             try:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
             future.set_exception(dead)
+
+
+def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one: their tokens, text and logprobs in order,
+    the last one's state (finished, counts)."""
+    return dataclasses.replace(
+        outputs[-1],
+        new_token_ids=[t for o in outputs for t in o.new_token_ids],
+        new_text="".join(o.new_text for o in outputs),
+        logprobs=[lp for o in outputs for lp in o.logprobs],
+    )

@@ -18,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
 
+from pdserve.engine.control_tokens import ControlTokens
 from pdserve.engine.errors import CheckpointError, InvalidRequestError
 
 _SPECIAL_TOKEN_NAMES = (
@@ -91,6 +92,7 @@ class Tokenizer:
         self._backend = backend
         self._chat_template_source = chat_template
         self._chat_template = compile_chat_template(chat_template) if chat_template else None
+        self._controls = ControlTokens(backend, chat_template) if chat_template else None
         self.special_tokens = dict(special_tokens)
         self.eos_token_ids = eos_token_ids
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
@@ -99,6 +101,7 @@ class Tokenizer:
         self._token_bytes: dict[int, bytes] = {
             token_id: added.content.encode()
             for token_id, added in backend.get_added_tokens_decoder().items()}
+        self._max_token_bytes: int | None = None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> Tokenizer:
@@ -126,7 +129,26 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it tokenizes (encode holds it throughout), so
+        # a long prompt tokenized on a worker thread leaves the caller's event loop running.
+        [encoding] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the tokens ``text`` becomes, without tokenizing it: no token
+        stands for more bytes than the vocabulary's longest. 0 (no bound) when a normalizer
+        may shrink the text first."""
+        if self._backend.normalizer is not None:
+            return 0
+        return -(-len(text.encode()) // self.max_token_bytes)
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes one token of the vocabulary stands for."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max(
+                (len(self.token_bytes(i)) for i in range(self.vocab_size)), default=1) or 1
+        return self._max_token_bytes
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -163,10 +185,7 @@ class Tokenizer:
     ) -> str:
         """Render `messages` as AutoTokenizer.apply_chat_template(tokenize=False) does."""
         if self._chat_template is None:
-            raise InvalidRequestError(
-                "this model's tokenizer_config.json has no chat_template; "
-                "send a plain completion instead"
-            )
+            raise _no_chat_template()
         # transformers drops None-valued keys; it passes only the special tokens that are set.
         cleaned = [{k: v for k, v in message.items() if v is not None} for message in messages]
         try:
@@ -175,6 +194,26 @@ class Tokenizer:
             )
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
+
+    def encode_chat(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The conversation's prompt ids. Unlike encoding `apply_chat_template`'s text, the
+        content's special-token text (``<|im_end|>``, ``<|im_start|>system``) is tokenized as
+        text: only the template makes control tokens, so content cannot forge a role.
+        Content without such text gets exactly the ids of that plain encoding."""
+        controls = self._controls
+        if controls is None:
+            raise _no_chat_template()
+        marker = controls.pick_marker(m.get("content") or "" for m in messages)
+        neutral = [{**m, "content": controls.neutralize(m["content"], marker)}
+                   if isinstance(m.get("content"), str) else m for m in messages]
+        return controls.encode(self.apply_chat_template(neutral, add_generation_prompt), marker)
+
+
+def _no_chat_template() -> InvalidRequestError:
+    return InvalidRequestError("this model's tokenizer_config.json has no chat_template; "
+                               "send a plain completion instead")
 
 
 def _read_optional_json(file: Path) -> dict[str, Any]:

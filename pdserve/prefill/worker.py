@@ -5,6 +5,7 @@ Returns the first token at once; the request's blocks stay pinned until the send
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import asdict
@@ -25,6 +26,7 @@ from pdserve.handoff import (
 )
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
+from pdserve.replica import replica_id
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ class PrefillWorker:
         self._transfers: dict[str, OutboundTransfer] = {}
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_transfers_failed = 0
+        self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
+        self.drain_timeout_s = handoff_config.default_timeout_s
         logger.info("prefill worker ready: %d KV blocks of %d tokens",
                     self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
 
@@ -65,6 +69,8 @@ class PrefillWorker:
         arrived = time.monotonic()
         first: RequestOutput | None = None
         stream = self.async_engine.open_stream(rid)
+        queued = len(request.prompt_token_ids) - request.decode_cached_tokens
+        self.num_queued_tokens += queued
         try:
             await self.async_engine.call(
                 lambda: self._tickets.__setitem__(rid, (ticket, first_block)))
@@ -78,6 +84,7 @@ class PrefillWorker:
             self.async_engine.submit(lambda: self._give_up(rid))
             raise
         finally:
+            self.num_queued_tokens -= queued
             await self.async_engine.close_stream(rid, abort=False)
         self.sender.send_fence(transfer, first.new_token_ids[0])
         transfer.released.add_done_callback(lambda done: self._on_released(rid, done.result()))
@@ -139,6 +146,13 @@ class PrefillWorker:
     async def kv_stats(self) -> dict[str, Any]:
         return asdict(await self.async_engine.call(self.engine.kv_stats))
 
+    def role_stats(self) -> dict[str, Any]:
+        """This replica's KV use and queues for the ingress (counters only)."""
+        kv, sched = self.engine.kv_manager, self.engine.scheduler
+        return {"replica_id": replica_id(), "num_blocks": kv.num_blocks,
+                "num_free_blocks": kv.num_free_blocks, "num_running": sched.num_running,
+                "num_waiting": sched.num_waiting, "num_queued_tokens": self.num_queued_tokens}
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve calls this periodically; the prefill request router ranks replicas on it."""
         kv = self.engine.kv_manager
@@ -149,7 +163,25 @@ class PrefillWorker:
         if self.async_engine.is_dead:
             raise RuntimeError("prefill engine thread died")
 
+    def drain(self, timeout_s: float) -> int:
+        """Wait (bounded) until no transfer this worker started still sends: a replica
+        that Serve stops (downscale, redeploy) finishes its handoffs first. Returns how
+        many were still sending at the deadline."""
+        try:
+            pending = self.async_engine.submit(
+                lambda: [t.released for t in self._transfers.values()]).result(timeout_s)
+        except Exception:  # noqa: BLE001 - a dead engine thread has nothing left to send
+            return 0
+        _, not_done = concurrent.futures.wait(pending, timeout=timeout_s)
+        return len(not_done)
+
     def __del__(self) -> None:
+        # Ray Serve calls this when it stops the replica, after its last prefill call
+        # returned; the KV of those calls may still be on its way.
+        left = self.drain(self.drain_timeout_s)
+        if left:
+            logger.warning("stopping with %d KV transfer(s) still sending; decode will "
+                           "recompute them", left)
         self.sender.close()
         self.transport.stop()
         self.async_engine.shutdown()

@@ -28,11 +28,16 @@ class ChoiceOutcome:
     first_token_at: float = 0.0
     last_token_at: float = 0.0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Seconds between tokens as they arrived; tokens of one delta share its gap evenly.
+    token_gaps: list[float] = field(default_factory=list)
 
     def record(self, delta: GenerationDelta, now: float) -> None:
         if delta.token_ids:
             if self.num_output_tokens == 0:
                 self.first_token_at = now
+            else:
+                gap = (now - self.last_token_at) / len(delta.token_ids)
+                self.token_gaps.extend([gap] * len(delta.token_ids))
             self.last_token_at = now
         self.text += delta.text
         self.logprobs += delta.logprobs
@@ -85,6 +90,16 @@ async def merged(streams: Sequence[AsyncIterator[T]],
     (position, None) once that stream ended. A failing stream's error is raised here and the
     other streams are cancelled; so are all of them when the consumer stops early. The
     bounded buffer keeps the producers' pace tied to the consumer's."""
+    if len(streams) == 1:  # one choice (the common case): no task, no queue
+        try:
+            async for item in streams[0]:
+                yield 0, item
+            yield 0, None
+        finally:
+            aclose = getattr(streams[0], "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return
     queue: asyncio.Queue[tuple[int, T | None, BaseException | None]] = asyncio.Queue(
         buffer * len(streams))
 

@@ -54,3 +54,17 @@ class RequestTimeoutError(RouterError):
         self.stage = stage
         where = f" during {stage}" if stage else ""
         super().__init__(f"request timed out after {timeout_s:g} s{where}")
+
+
+class AuthenticationError(RouterError):
+    """The request carries no API key, or not one of the configured keys."""
+
+
+class RequestTooLargeError(RouterError):
+    """The request body is longer than the configured limit."""
+
+    def __init__(self, limit_bytes: int, num_bytes: int | None = None) -> None:
+        self.limit_bytes = limit_bytes
+        size = f"of {num_bytes} bytes " if num_bytes is not None else ""
+        super().__init__(f"request body {size}exceeds the limit of {limit_bytes} bytes "
+                         "(http.max_body_bytes); send a shorter prompt")

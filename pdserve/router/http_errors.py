@@ -25,9 +25,11 @@ from pdserve.engine.errors import (
     PromptTooLongError,
 )
 from pdserve.router.errors import (
+    AuthenticationError,
     ModelNotFoundError,
     OverloadedError,
     RequestTimeoutError,
+    RequestTooLargeError,
     RouterError,
     ServiceUnavailableError,
 )
@@ -44,6 +46,9 @@ class ErrorSpec:
     status: int
     type: str
     code: str | None = None
+    # What the client reads when the exception is not pdserve's own: foreign messages (Ray's
+    # above all) carry pids, actor ids, node addresses and tracebacks, which stay in the log.
+    public_message: str = "the request failed; the server log has the details"
 
 
 _BAD_REQUEST = ErrorSpec(400, "invalid_request_error")
@@ -56,16 +61,21 @@ _SPECS: MappingProxyType[type[BaseException], ErrorSpec] = MappingProxyType({
     OutOfKVBlocksError: ErrorSpec(400, "invalid_request_error", "kv_cache_too_small"),
     InvalidRequestError: _BAD_REQUEST,
     ModelNotFoundError: ErrorSpec(404, "invalid_request_error", "model_not_found"),
+    AuthenticationError: ErrorSpec(401, "invalid_request_error", "invalid_api_key"),
+    RequestTooLargeError: ErrorSpec(413, "invalid_request_error", "request_too_large"),
     OverloadedError: ErrorSpec(429, "rate_limit_error", "overloaded"),
     ServiceUnavailableError: ErrorSpec(503, "server_error", "service_unavailable"),
     RequestTimeoutError: ErrorSpec(504, "server_error", "timeout"),
 })
 # Ray's exceptions by qualified name, so this module need not import Ray.
 _SPECS_BY_NAME: MappingProxyType[str, ErrorSpec] = MappingProxyType({
-    "ray.serve.exceptions.BackPressureError": ErrorSpec(429, "rate_limit_error", "overloaded"),
-    "ray.serve.exceptions.DeploymentUnavailableError":
-        ErrorSpec(503, "server_error", "service_unavailable"),
-    "ray.exceptions.RayActorError": ErrorSpec(503, "server_error", "service_unavailable"),
+    "ray.serve.exceptions.BackPressureError": ErrorSpec(
+        429, "rate_limit_error", "overloaded", "the server is at capacity; retry later"),
+    "ray.serve.exceptions.DeploymentUnavailableError": ErrorSpec(
+        503, "server_error", "service_unavailable", "a worker role is unavailable; retry later"),
+    "ray.exceptions.RayActorError": ErrorSpec(
+        503, "server_error", "service_unavailable",
+        "a worker failed while serving this request; retry it"),
 })
 _RETRY_AFTER_NAMES = frozenset({"ray.serve.exceptions.BackPressureError"})
 _LOCATION_PREFIXES = frozenset({"body", "query", "path", "header"})
@@ -112,6 +122,11 @@ def spec_for(exc: BaseException) -> ErrorSpec:
     return _INTERNAL
 
 
+def _is_pdserve_error(exc: BaseException) -> bool:
+    """Whether the message is pdserve's own, written for the client."""
+    return type(exc).__module__.split(".")[0] == "pdserve"
+
+
 def _clean_loc(loc: Sequence[str | int]) -> list[str | int]:
     parts = list(loc)
     if parts and parts[0] in _LOCATION_PREFIXES:
@@ -143,8 +158,9 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str | None, str]:
 
 
 def openai_error(exc: BaseException, context: str = "") -> OpenAIError:
-    """Status, body and headers for any exception; unexpected ones are logged with their
-    trace and ``context`` (e.g. the request's method and path)."""
+    """Status, body and headers for any exception. Unexpected ones are logged with their
+    trace, foreign ones (Ray's) with their message, both with ``context`` (e.g. the request's
+    method and path); neither message reaches the client."""
     exc = unwrap_remote_error(exc)
     spec = spec_for(exc)
     headers: dict[str, str] = {}
@@ -159,8 +175,12 @@ def openai_error(exc: BaseException, context: str = "") -> OpenAIError:
     elif spec is _INTERNAL:
         logger.error("unhandled %s %s: %s", context, type(exc).__name__, exc, exc_info=exc)
         message = INTERNAL_ERROR_MESSAGE
-    else:
+    elif _is_pdserve_error(exc):
         message = str(exc) or type(exc).__name__
+    else:
+        logger.warning("%s failed (answered %d): %s: %s", context or "request", spec.status,
+                       type(exc).__name__, exc)
+        message = spec.public_message
     if isinstance(exc, OverloadedError):
         headers["Retry-After"] = exc.retry_after_header
     elif any(_qualified_name(c) in _RETRY_AFTER_NAMES for c in type(exc).__mro__):

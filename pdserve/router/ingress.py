@@ -1,6 +1,6 @@
-"""The OpenAI-compatible ingress: validate, template, tokenize, run the pipeline, format.
+"""The OpenAI-compatible ingress: admit, build the prompt, run its choices, answer.
 
-A Serve deployment (see `cluster/app.py`); `build_app` gives its FastAPI routes.
+A Serve deployment (see `cluster/app.py`); `http_app.build_app` gives its FastAPI routes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -28,9 +28,8 @@ from pdserve.router.choices import (
     gather_or_cancel,
     merged,
 )
-from pdserve.router.errors import ModelNotFoundError, RequestTimeoutError
-from pdserve.router.http_errors import install_error_handlers
-from pdserve.router.logprobs import LogprobsFormatter
+from pdserve.router.errors import RequestTimeoutError, ServiceUnavailableError
+from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.pipeline import (
     GenerationDelta,
@@ -38,35 +37,23 @@ from pdserve.router.pipeline import (
     PipelineSettings,
     RequestTrace,
 )
+from pdserve.router.prompts import Prompt, PromptBuilder
 from pdserve.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    parse_request,
+    new_request_id,
     resolve_max_tokens,
     to_sampling_params,
-)
-from pdserve.router.protocol_responses import (
-    AssistantMessage,
-    ChatCompletionChoice,
-    ChatCompletionResponse,
-    CompletionChoice,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-    Usage,
-    new_request_id,
     unix_time,
 )
-from pdserve.router.sse import (
-    DONE_EVENT,
-    ChatStreamFormatter,
-    CompletionStreamFormatter,
-    EventStreamResponse,
-    error_event,
-)
+from pdserve.router.responses import ResponseContext, StreamWriter, whole_response
+from pdserve.router.roles import RoleMonitor, serve_replica_counts
+from pdserve.router.sse import DONE_EVENT, EventStreamResponse, error_event
 from pdserve.router.timings import time_per_output_token_ms
 
 logger = logging.getLogger("pdserve.requests")  # one JSON line per request
+
+DRAINED_MESSAGE = "the server is shutting down and stopped this generation; retry"
 
 
 @dataclass(frozen=True)
@@ -77,72 +64,96 @@ class IngressSettings:
     max_in_flight: int
     request_timeout_s: float
     pipeline: PipelineSettings
+    http: HttpGuardSettings = HttpGuardSettings()
 
 
 class Ingress:
-    """One ingress replica: tokenizer, pipeline, admission gate and metrics."""
+    """One ingress replica: prompt builder, pipeline, admission gate, role monitor, metrics."""
 
     def __init__(self, decode: Any, prefill: Any | None, settings: IngressSettings) -> None:
         configure_logging()
         self.settings = settings
         self.tokenizer = Tokenizer.from_checkpoint(settings.model_path)
-        self.pipeline = GenerationPipeline(decode, prefill, settings.pipeline)
+        self.prompts = PromptBuilder(self.tokenizer, settings.max_model_len,
+                                     settings.served_model_name)
+        self.roles: RoleMonitor | None = None
+        if decode is not None:
+            handles = {"decode": decode} | ({"prefill": prefill} if prefill is not None else {})
+            self.roles = RoleMonitor(handles, self._replica_counts)
+        self.pipeline = GenerationPipeline(decode, prefill, settings.pipeline, self.roles)
         self.admission = AdmissionGate(settings.max_in_flight)
         self.metrics = PdserveMetrics()
-        self.decode = decode
-        self.prefill = prefill
+        # Deadlines of the generations in flight; a drain pulls them in.
+        self._deadlines: set[asyncio.Timeout] = set()
+        self._drained = False
 
     def __serve_build_asgi_app__(self) -> FastAPI:
+        from pdserve.router.http_app import build_app
+
         return build_app(self)
+
+    async def _replica_counts(self) -> dict[str, int]:
+        from ray import serve
+
+        assert self.roles is not None
+        app = serve.get_replica_context().app_name
+        return await serve_replica_counts(app, list(self.roles.handles))
 
     # ---- requests ----------------------------------------------------------------------
     async def chat(self, body: bytes) -> Response:
-        req = parse_request(ChatCompletionRequest, body)
-        rid = new_request_id("chat")
-        trace = RequestTrace(rid)
-        self._check(req)
-        prompt = self.tokenizer.apply_chat_template(req.template_messages())
-        return await self._serve(req, rid, trace, self.tokenizer.encode(prompt), chat=True)
+        self._admit_any()
+        prompt = await self.prompts.chat(body)
+        return await self._serve(prompt, new_request_id("chat"), chat=True)
 
     async def completion(self, body: bytes) -> Response:
-        req = parse_request(CompletionRequest, body)
-        rid = new_request_id("completion")
-        trace = RequestTrace(rid)
-        self._check(req)
-        ids = req.prompt if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
-        return await self._serve(req, rid, trace, ids, chat=False)
+        self._admit_any()
+        prompt = await self.prompts.completion(body)
+        return await self._serve(prompt, new_request_id("completion"), chat=False)
 
-    def _check(self, req: ChatCompletionRequest | CompletionRequest) -> None:
-        if req.model != self.settings.served_model_name:
-            raise ModelNotFoundError(req.model, [self.settings.served_model_name])
+    def _admit_any(self) -> None:
+        """Before any work: refuse while full or draining; start watching the roles."""
+        self.admission.check_open()
+        if self.roles is not None:
+            self.roles.start()
 
-    async def _serve(self, req: ChatCompletionRequest | CompletionRequest, rid: str,
-                     trace: RequestTrace, ids: list[int], chat: bool) -> Response:
-        trace.update(tokenize_ms=trace.ms_since_start())
+    async def _serve(self, prompt: Prompt[Any], rid: str, chat: bool) -> Response:
+        req: ChatCompletionRequest | CompletionRequest = prompt.request
+        ids = prompt.token_ids
+        trace = RequestTrace(rid, prompt.received_at)
+        trace.update(tokenize_ms=prompt.build_ms)
         max_tokens = resolve_max_tokens(req, len(ids), self.settings.max_model_len)
         params = to_sampling_params(req, max_tokens)
         self.admission.admit(req.n)
-        runs = self._start_choices(trace, ids, params, req.n)
+        runs = self._start_choices(trace, ids, params, req.n, req.stream)
+        ctx = ResponseContext(req, rid, self.settings.served_model_name, unix_time(), len(ids),
+                              chat)
         try:  # errors before every choice's first token keep their HTTP status
             firsts = await self._first_deltas(runs)
+        except asyncio.CancelledError:  # the client left
+            await self._end_all(runs, "cancelled")
+            raise
         except BaseException:
             await self._end_all(runs, "error")
             raise
         for run, first in zip(runs, firsts, strict=True):
             run.outcome.record(first, time.monotonic())
         if req.stream:
-            return EventStreamResponse(self._sse(req, rid, runs, firsts, len(ids), chat),
+            writer = StreamWriter(ctx, len(runs), self.tokenizer)
+            return EventStreamResponse(self._sse(writer, runs, firsts),
                                        lambda: self._end_all(runs, "cancelled"))
         try:
             await gather_or_cancel([self._drain(run) for run in runs])
+        except asyncio.CancelledError:
+            await self._end_all(runs, "cancelled")
+            raise
         except BaseException:
             await self._end_all(runs, "error")
             raise
         await self._end_all(runs, "ok")
-        return JSONResponse(self._response(req, rid, runs, len(ids), chat))
+        return JSONResponse(whole_response(ctx, runs, self.tokenizer))
 
     def _start_choices(self, trace: RequestTrace, ids: list[int], params: SamplingParams,
-                       num_choices: int) -> list[ChoiceRun]:
+                       num_choices: int, stream: bool) -> list[ChoiceRun]:
         """One pipeline run per choice, each traced (and logged) on its own; the first keeps
         the request's trace, all count from the request's arrival."""
         runs, base_id = [], trace.timings.request_id
@@ -151,7 +162,7 @@ class Ingress:
             choice_trace = trace if index == 0 else RequestTrace(request_id, trace.started)
             choice_trace.update(request_id=request_id, tokenize_ms=trace.timings.tokenize_ms)
             deltas = self.pipeline.generate(request_id, ids, choice_params(params, index),
-                                            choice_trace)
+                                            choice_trace, stream=stream)
             runs.append(ChoiceRun(index, choice_trace, deltas))
         return runs
 
@@ -163,57 +174,28 @@ class Ingress:
         rest = await gather_or_cancel([self._next(run.deltas, run.trace) for run in runs[1:]])
         return [first, *rest]
 
-    def _response(self, req: ChatCompletionRequest | CompletionRequest, rid: str,
-                  runs: list[ChoiceRun], num_prompt_tokens: int, chat: bool) -> dict[str, Any]:
-        usage = _usage(runs, num_prompt_tokens)
-        model, created = self.settings.served_model_name, unix_time()
-        wants_logprobs = req.requested_logprobs() is not None
-        if chat:
-            choices = [ChatCompletionChoice(
-                index=run.index, message=AssistantMessage(content=run.outcome.text),
-                finish_reason=run.outcome.finish_reason,  # type: ignore[arg-type]
-                logprobs=(LogprobsFormatter(self.tokenizer).chat(run.outcome.logprobs)
-                          if wants_logprobs else None)) for run in runs]
-            return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices,
-                                          usage=usage).model_dump(mode="json")
-        texts = [CompletionChoice(
-            index=run.index, text=run.outcome.text,
-            finish_reason=run.outcome.finish_reason,  # type: ignore[arg-type]
-            logprobs=(LogprobsFormatter(self.tokenizer).completion(run.outcome.logprobs)
-                      if wants_logprobs else None)) for run in runs]
-        return CompletionResponse(id=rid, created=created, model=model, choices=texts,
-                                  usage=usage).model_dump(mode="json")
-
-    async def _sse(self, req: ChatCompletionRequest | CompletionRequest, rid: str,
-                   runs: list[ChoiceRun], firsts: list[GenerationDelta], num_prompt_tokens: int,
-                   chat: bool) -> AsyncIterator[str]:
-        model, created = self.settings.served_model_name, unix_time()
-        fmt: ChatStreamFormatter | CompletionStreamFormatter = (
-            ChatStreamFormatter(rid, model, created, req.include_usage) if chat else
-            CompletionStreamFormatter(rid, model, created, req.include_usage))
-        # One per choice: the completions' text offsets count on within a choice.
-        logprobs = [LogprobsFormatter(self.tokenizer) if req.requested_logprobs() is not None
-                    else None for _ in runs]
+    async def _sse(self, writer: StreamWriter, runs: list[ChoiceRun],
+                   firsts: list[GenerationDelta]) -> AsyncIterator[str]:
         status = "cancelled"
         try:
             for run, first in zip(runs, firsts, strict=True):
-                if isinstance(fmt, ChatStreamFormatter):
-                    yield fmt.first(run.index)
-                yield _delta_event(fmt, run.index, first, logprobs[run.index])
+                yield writer.opening(run.index, first)
             streams = [self._timed(run.deltas, run.trace) for run in runs]
             async with aclosing(merged(streams)) as arrivals:
                 async for index, delta in arrivals:
                     run = runs[index]
                     if delta is None:
-                        yield fmt.finish(run.outcome.finish_reason, index)  # type: ignore[arg-type]
+                        yield writer.finish(index, run.outcome.finish_reason)
                         continue
                     run.outcome.record(delta, time.monotonic())
-                    yield _delta_event(fmt, index, delta, logprobs[index])
+                    yield writer.delta(index, delta)
             status = "ok"
-            yield fmt.end(_usage(runs, num_prompt_tokens))
+            await self._end_all(runs, status)
+            yield writer.end(runs)
         except Exception as exc:  # noqa: BLE001 - headers are sent: report in-band
             status = "error"
-            logger.warning("request %s failed mid-stream: %s", rid, exc)
+            logger.info("request %s ended mid-stream with an error event",
+                        writer.ctx.request_id)
             yield error_event(exc) + DONE_EVENT
         finally:
             await self._end_all(runs, status)
@@ -233,23 +215,32 @@ class Ingress:
     async def _next(self, deltas: AsyncIterator[GenerationDelta],
                     trace: RequestTrace) -> GenerationDelta:
         try:
-            async with asyncio.timeout(self.settings.request_timeout_s):
+            async with self._deadline(trace) as deadline:
                 first = await deltas.__anext__()
         except TimeoutError as exc:
             await deltas.aclose()
-            raise RequestTimeoutError(self.settings.request_timeout_s, "first token") from exc
+            raise self._timeout_error(deadline, "first token") from exc
         trace.update(ttft_ms=trace.ms_since_start())
         return first
 
     async def _timed(self, deltas: AsyncIterator[GenerationDelta],
                      trace: RequestTrace) -> AsyncIterator[GenerationDelta]:
-        remaining = self.settings.request_timeout_s - trace.ms_since_start() / 1000.0
         try:
-            async with asyncio.timeout(max(remaining, 0.001)):
+            async with self._deadline(trace) as deadline:
                 async for delta in deltas:
                     yield delta
         except TimeoutError as exc:
-            raise RequestTimeoutError(self.settings.request_timeout_s, "generation") from exc
+            raise self._timeout_error(deadline, "generation") from exc
+
+    def _deadline(self, trace: RequestTrace) -> _Deadline:
+        remaining = self.settings.request_timeout_s - trace.ms_since_start() / 1000.0
+        return _Deadline(self, max(remaining, 0.001))
+
+    def _timeout_error(self, deadline: _Deadline,
+                       stage: str) -> RequestTimeoutError | ServiceUnavailableError:
+        if deadline.drained:
+            return ServiceUnavailableError(DRAINED_MESSAGE)
+        return RequestTimeoutError(self.settings.request_timeout_s, stage)
 
     def _finish(self, trace: RequestTrace, outcome: ChoiceOutcome, status: str) -> None:
         self.admission.leave()
@@ -262,66 +253,74 @@ class Ingress:
                                              outcome.num_output_tokens),
         )
         self.metrics.observe(trace.timings)
+        self.metrics.observe_token_gaps(trace.timings.path, outcome.token_gaps)
         logger.info("%s", trace.timings.to_log_line())
+
+    # ---- operations --------------------------------------------------------------------
+    async def drain(self, timeout_s: float) -> dict[str, Any]:
+        """Stop admitting (503), let generations in flight finish for up to ``timeout_s``,
+        then end the rest (streams get an error event and ``[DONE]``). Returns this
+        replica's id and how many generations had to be stopped."""
+        from ray import serve
+
+        self.admission.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.admission.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        stopped = self.admission.num_in_flight
+        self._drained = True
+        now = asyncio.get_running_loop().time()
+        for timeout in list(self._deadlines):
+            timeout.reschedule(now)
+        while self.admission.num_in_flight and time.monotonic() < deadline + 5.0:
+            await asyncio.sleep(0.05)
+        return {"replica_id": serve.get_replica_context().replica_id.unique_id,
+                "num_stopped": stopped}
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        """200 while every role has a running replica, else 503 naming the missing ones."""
+        if self.admission.draining:
+            return 503, {"status": "draining"}
+        if self.roles is None:
+            return 200, {"status": "ok"}
+        self.roles.start()
+        if self.roles.counts is None:
+            await asyncio.wait_for(self.roles.refreshed.wait(), timeout=5.0)
+        missing = self.roles.missing()
+        if missing:
+            return 503, {"status": "unavailable", "missing_roles": missing,
+                         "replicas": self.roles.counts}
+        return 200, {"status": "ok", "replicas": self.roles.counts}
+
+    def render_metrics(self) -> bytes:
+        loads = self.roles.loads() if self.roles is not None else []
+        return self.metrics.render(loads, self.admission.num_in_flight)
 
     async def kv_stats(self) -> dict[str, Any]:
         """Block counts of every role as the ingress sees them (one replica each)."""
-        stats = {"decode": await self.decode.kv_stats.remote()}
-        if self.prefill is not None:
-            stats["prefill"] = await self.prefill.kv_stats.remote()
+        stats = {"decode": await self.pipeline.decode.kv_stats.remote()}
+        if self.pipeline.prefill is not None:
+            stats["prefill"] = await self.pipeline.prefill.kv_stats.remote()
         return stats
 
 
-def _delta_event(fmt: ChatStreamFormatter | CompletionStreamFormatter, index: int,
-                 delta: GenerationDelta, logprobs: LogprobsFormatter | None) -> str:
-    """The chunk for one delta of choice ``index``: its text, and its tokens' logprobs when
-    asked for (a chunk of no text still carries those: the detokenizer may hold a partial
-    character back)."""
-    if logprobs is not None and delta.logprobs:
-        if isinstance(fmt, ChatStreamFormatter):
-            return fmt.delta(delta.text, logprobs.chat(delta.logprobs), index)
-        return fmt.delta(delta.text, logprobs.completion(delta.logprobs), index)
-    return fmt.delta(delta.text, index=index) if delta.text else ""
+class _Deadline:
+    """A generation's deadline (`asyncio.timeout`), registered with the ingress so that a
+    drain can bring it forward; ``drained`` tells the two endings apart."""
 
+    def __init__(self, ingress: Ingress, delay_s: float) -> None:
+        self._ingress = ingress
+        self._timeout = asyncio.timeout(delay_s)
+        self.drained = False
 
-def _usage(runs: list[ChoiceRun], num_prompt_tokens: int) -> Usage:
-    """The prompt counts once, whatever ``n``; completion tokens add up over the choices."""
-    return Usage.from_counts(num_prompt_tokens, sum(r.outcome.num_output_tokens for r in runs),
-                             max(r.outcome.num_cached_tokens for r in runs))
+    async def __aenter__(self) -> _Deadline:
+        await self._timeout.__aenter__()
+        if self._ingress._drained:
+            self._timeout.reschedule(asyncio.get_running_loop().time())
+        self._ingress._deadlines.add(self._timeout)
+        return self
 
-
-def build_app(ingress: Ingress) -> FastAPI:
-    app = FastAPI(title="pdserve", description="OpenAI-compatible PD-disaggregated serving")
-    install_error_handlers(app, extra_exception_classes=_ray_backpressure_classes())
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await ingress.chat(await request.body())
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await ingress.completion(await request.body())
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        card = ModelCard(id=ingress.settings.served_model_name, created=unix_time(),
-                         max_model_len=ingress.settings.max_model_len)
-        return ModelList(data=[card]).model_dump(mode="json")
-
-    @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(ingress.metrics.render(), media_type=ingress.metrics.content_type)
-
-    return app
-
-
-def _ray_backpressure_classes() -> tuple[type[BaseException], ...]:
-    try:
-        from ray.serve.exceptions import BackPressureError
-    except ImportError:  # pragma: no cover - Ray is a dependency; keep the app importable
-        return ()
-    return (BackPressureError,)
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        self._ingress._deadlines.discard(self._timeout)
+        self.drained = self._ingress._drained
+        return await self._timeout.__aexit__(*exc)

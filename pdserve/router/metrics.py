@@ -1,13 +1,17 @@
-"""Prometheus metrics of the request stages, named ``pdserve:*``, on a registry this object owns.
+"""Prometheus metrics of the request stages and the worker roles, named ``pdserve:*`` (vLLM's
+names where vLLM has one), on a registry this object owns.
 
-Serve `render()` at ``GET /metrics``; `observe()` once per finished request.
+`observe()` once per finished request; `render()` at ``GET /metrics`` with the roles' loads.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from collections.abc import Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from pdserve.router.roles import ReplicaLoad
 from pdserve.router.timings import RequestTimings
 
 # Latencies from 1 ms (a cached tokenize) to 2 min (a long prompt on CPU).
@@ -44,12 +48,17 @@ class PdserveMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        self._ttft = Histogram("pdserve:ttft_seconds", "Time to first token.", ["path"],
-                               buckets=LATENCY_BUCKETS_S, registry=r)
-        self._tpot = Histogram("pdserve:tpot_seconds", "Mean time per output token after the "
-                               "first.", ["path"], buckets=TPOT_BUCKETS_S, registry=r)
-        self._e2e = Histogram("pdserve:e2e_seconds", "Whole request latency.", ["path"],
-                              buckets=LATENCY_BUCKETS_S, registry=r)
+        self._ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token.",
+                               ["path"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self._tpot = Histogram("pdserve:request_time_per_output_token_seconds", "A request's "
+                               "mean time per output token after the first.", ["path"],
+                               buckets=TPOT_BUCKETS_S, registry=r)
+        self._itl = Histogram("pdserve:inter_token_latency_seconds", "Time between output "
+                              "tokens as the client received them (tokens that arrived "
+                              "together share their gap).", ["path"], buckets=TPOT_BUCKETS_S,
+                              registry=r)
+        self._e2e = Histogram("pdserve:e2e_request_latency_seconds", "Whole request latency.",
+                              ["path"], buckets=LATENCY_BUCKETS_S, registry=r)
         self._stages = tuple(
             (field, Histogram(f"pdserve:{name}", help_text, buckets=LATENCY_BUCKETS_S, registry=r))
             for name, field, help_text in _STAGES)
@@ -66,8 +75,20 @@ class PdserveMetrics:
         self._requests = Counter("pdserve:requests", "Finished requests.", ["status", "path"],
                                  registry=r)
         self._fallbacks = Counter("pdserve:fallbacks", "Requests that left their planned path "
-                                  "(e.g. handoff failed, decode recomputed).", ["reason"],
-                                  registry=r)
+                                  "(e.g. handoff failed, decode recomputed; prefill busy or "
+                                  "gone, decode prefilled).", ["reason"], registry=r)
+        self._handoff_failures = Counter("pdserve:handoff_failures", "KV handoffs that failed, "
+                                         "by what failed.", ["reason"], registry=r)
+        self._in_flight = Gauge("pdserve:num_requests_in_flight", "Generations this ingress "
+                                "admitted that have not finished.", registry=r)
+        replica = ["role", "replica"]
+        self._kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of a replica's KV "
+                               "blocks in use (cached-only blocks count as free).", replica,
+                               registry=r)
+        self._running = Gauge("pdserve:num_requests_running", "Requests a replica is "
+                              "computing.", replica, registry=r)
+        self._waiting = Gauge("pdserve:num_requests_waiting", "Requests a replica holds that "
+                              "wait to be scheduled (or for their KV).", replica, registry=r)
 
     def observe(self, timings: RequestTimings) -> None:
         """Record one finished request (any status)."""
@@ -75,6 +96,8 @@ class PdserveMetrics:
         self._requests.labels(status=timings.status, path=path).inc()
         if timings.fallback_reason is not None:
             self._fallbacks.labels(reason=timings.fallback_reason).inc()
+        if timings.handoff_error is not None:
+            self._handoff_failures.labels(reason=timings.handoff_error).inc()
         for value, histogram in ((timings.ttft_ms, self._ttft), (timings.tpot_ms, self._tpot),
                                  (timings.e2e_ms, self._e2e)):
             if value is not None:
@@ -90,6 +113,20 @@ class PdserveMetrics:
         self._prompt_tokens.inc(timings.num_prompt_tokens)
         self._output_tokens.inc(timings.num_output_tokens)
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition of every metric, for ``GET /metrics``."""
+    def observe_token_gaps(self, path: str | None, gaps_s: Sequence[float]) -> None:
+        histogram = self._itl.labels(path=path or NO_PATH_LABEL)
+        for gap in gaps_s:
+            histogram.observe(gap)
+
+    def render(self, loads: Sequence[ReplicaLoad] = (), num_in_flight: int = 0) -> bytes:
+        """The Prometheus text exposition of every metric, for ``GET /metrics``, with the
+        roles' latest reported loads."""
+        self._in_flight.set(num_in_flight)
+        for gauge in (self._kv_usage, self._running, self._waiting):
+            gauge.clear()
+        for load in loads:
+            labels = {"role": load.role, "replica": load.replica_id}
+            self._kv_usage.labels(**labels).set(load.kv_usage)
+            self._running.labels(**labels).set(load.num_running)
+            self._waiting.labels(**labels).set(load.num_waiting)
         return generate_latest(self.registry)

@@ -15,7 +15,9 @@ from pdserve.decode.api import DecodeCapacityError, DecodeEvent, DecodeRequest
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.api import PrefillRequest, PrefillResult
-from pdserve.router.errors import OverloadedError
+from pdserve.router.errors import OverloadedError, ServiceUnavailableError
+from pdserve.router.prefill_load import LocalPrefillPolicy, PrefillLoad
+from pdserve.router.roles import RoleMonitor
 from pdserve.router.timings import RequestTimings
 
 logger = logging.getLogger(__name__)
@@ -27,6 +29,10 @@ class PipelineSettings:
     # Prompts shorter than this are prefilled on the decode worker: moving their KV would
     # cost more than recomputing it.
     min_disaggregated_prompt_tokens: int
+    # Longer prompts too, while the prefill role is busy (see prefill_load.py).
+    local_prefill: LocalPrefillPolicy = LocalPrefillPolicy(max_local_tokens=0, queue_factor=0)
+    # A stream's tokens cross from decode at most once per interval (the first at once).
+    stream_interval_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -56,36 +62,55 @@ class RequestTrace:
 class GenerationPipeline:
     """Runs a tokenized request on the workers, through whichever path it qualifies for."""
 
-    def __init__(self, decode: Any, prefill: Any | None, settings: PipelineSettings) -> None:
+    def __init__(self, decode: Any, prefill: Any | None, settings: PipelineSettings,
+                 roles: RoleMonitor | None = None) -> None:
         self.decode = decode
         self.prefill = prefill
         self.settings = settings
+        self.roles = roles
+        self.prefill_load = PrefillLoad(settings.local_prefill)
 
-    def choose_path(self, num_prompt_tokens: int) -> str:
+    def choose_path(self, num_prompt_tokens: int) -> tuple[str, str | None]:
+        """The request's path, and why it is not the planned one (None: it is)."""
+        missing = self.roles.missing() if self.roles is not None else []
+        if "decode" in missing:
+            raise ServiceUnavailableError("no decode replica is running; retry shortly")
         if self.settings.mode == "colocated" or self.prefill is None:
-            return "colocated"
+            return "colocated", None
         if num_prompt_tokens < self.settings.min_disaggregated_prompt_tokens:
-            return "local_prefill"
-        return "disaggregated"
+            return "local_prefill", None
+        if "prefill" in missing:
+            return "local_prefill", "no_prefill_replica"
+        if self.roles is not None and self.roles.counts is not None:
+            reported = [load for load in self.roles.loads() if load.role == "prefill"]
+            self.prefill_load.report(sum(load.num_queued_tokens for load in reported),
+                                     self.roles.counts.get("prefill", 1))
+        if self.prefill_load.prefill_here(num_prompt_tokens):
+            return "local_prefill", "prefill_busy"
+        return "disaggregated", None
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, trace: RequestTrace
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        trace: RequestTrace, stream: bool = True,
     ) -> AsyncIterator[GenerationDelta]:
-        path = self.choose_path(len(prompt_ids))
-        trace.update(path=path, num_prompt_tokens=len(prompt_ids))
+        """The request's deltas; a streamed one as they come (at most one per stream
+        interval), otherwise the first and then one with the rest."""
+        path, reason = self.choose_path(len(prompt_ids))
+        trace.update(path=path, num_prompt_tokens=len(prompt_ids), fallback_reason=reason)
+        interval = self.settings.stream_interval_s if stream else None
         if path == "disaggregated":
-            stream = self._disaggregated(request_id, prompt_ids, params, trace)
+            deltas = self._disaggregated(request_id, prompt_ids, params, trace, interval)
         else:
-            stream = self._on_decode(request_id, prompt_ids, params, ())
-        async for delta in stream:
+            deltas = self._on_decode(request_id, prompt_ids, params, (), interval)
+        async for delta in deltas:
             yield delta
 
     async def _on_decode(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-        resume_output_ids: tuple[int, ...],
+        resume_output_ids: tuple[int, ...], interval: float | None,
     ) -> AsyncIterator[GenerationDelta]:
         request = DecodeRequest(request_id, prompt_ids, params, local_prefill=True,
-                                resume_output_ids=resume_output_ids)
+                                resume_output_ids=resume_output_ids, stream_interval_s=interval)
         events = self.decode.options(stream=True).generate.remote(request)
         try:
             async for event in events:
@@ -94,9 +119,11 @@ class GenerationPipeline:
             events.cancel()
 
     async def _disaggregated(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, trace: RequestTrace
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+        trace: RequestTrace, interval: float | None,
     ) -> AsyncIterator[GenerationDelta]:
-        request = DecodeRequest(request_id, prompt_ids, params, local_prefill=False)
+        request = DecodeRequest(request_id, prompt_ids, params, local_prefill=False,
+                                stream_interval_s=interval)
         events = self.decode.options(stream=True).generate.remote(request)
         prefill_call = None
         try:
@@ -109,15 +136,19 @@ class GenerationPipeline:
             prefill_call = self.prefill.prefill.remote(  # type: ignore[union-attr]
                 PrefillRequest(request_id, prompt_ids, params, ticket_event.ticket or {},
                                ticket_event.num_cached_tokens))
+            queued = len(prompt_ids) - ticket_event.num_cached_tokens
+            self.prefill_load.begin(queued)
             try:
                 result: PrefillResult = await prefill_call
             except Exception as exc:  # noqa: BLE001 - any prefill failure: recompute on decode
                 logger.warning("prefill of %s failed, recomputing on decode: %s", request_id, exc)
                 events.cancel()
                 trace.update(path="recompute_fallback", fallback_reason="prefill_failed")
-                async for delta in self._on_decode(request_id, prompt_ids, params, ()):
+                async for delta in self._on_decode(request_id, prompt_ids, params, (), interval):
                     yield delta
                 return
+            finally:
+                self.prefill_load.end(queued)
             trace.update(prefill_queue_ms=result.queue_s * 1000.0,
                          prefill_compute_ms=result.compute_s * 1000.0,
                          prefix_hit_tokens=result.num_cached_tokens,
@@ -129,9 +160,10 @@ class GenerationPipeline:
                                   logprobs=first_logprobs)
             async for event in events:
                 if event.kind == "handoff_failed":
-                    trace.update(path="recompute_fallback", fallback_reason="handoff_failed")
+                    trace.update(path="recompute_fallback", fallback_reason="handoff_failed",
+                                 handoff_error=event.error_kind or "other")
                     async for delta in self._on_decode(
-                        request_id, prompt_ids, params, (result.first_token_id,)
+                        request_id, prompt_ids, params, (result.first_token_id,), interval
                     ):
                         yield delta
                     return

@@ -123,6 +123,10 @@ class _SamplingRequest(_Request):
         description="Lowers the logit of every token generated so far, per occurrence.")
     logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) -> bias added to its logit, -100..100.")
+    pdserve_timings: bool = Field(
+        False, description="Extension: return each choice's server-side stage timings "
+        "(queue, prefill, handoff, first token, ...) as `pdserve_timings`, in the response or "
+        "in a last chunk before [DONE].")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -20,13 +19,8 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.router.http_errors import openai_error
 from pdserve.router.protocol_responses import (
-    ChatCompletionChunk,
-    ChatCompletionChunkChoice,
     ChoiceLogprobs,
-    CompletionChoice,
     CompletionLogprobs,
-    CompletionResponse,
-    DeltaMessage,
     FinishReason,
     Usage,
 )
@@ -56,12 +50,12 @@ class EventStreamResponse(StreamingResponse):
 def sse_event(payload: BaseModel | dict[str, Any]) -> str:
     """One ``data:`` event; compact JSON keeps non-ASCII text as is (UTF-8 on the wire)."""
     data = payload.model_dump(mode="json") if isinstance(payload, BaseModel) else payload
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_json(data)}\n\n"
 
 
 def error_event(exc: BaseException) -> str:
-    """The event that reports a failure after the stream started."""
-    return sse_event(openai_error(exc).body)
+    """The event that reports a failure after the stream started (its detail is logged)."""
+    return sse_event(openai_error(exc, "a stream").body)
 
 
 def split_sse_data(text: str) -> list[str]:
@@ -75,74 +69,89 @@ def split_sse_data(text: str) -> list[str]:
     return payloads
 
 
-@dataclass(frozen=True)
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+class _ChunkTemplate:
+    """A stream's chunks share everything but their choices: the head and tail are encoded
+    once, so a token costs one JSON string encoding, not a model built and dumped."""
+
+    def __init__(self, request_id: str, obj: str, created: int, model: str,
+                 include_usage: bool) -> None:
+        self.head = (f'data: {{"id":{_json(request_id)},"object":"{obj}","created":{created},'
+                     f'"model":{_json(model)},"choices":[')
+        self.tail = '],"usage":null}\n\n' if include_usage else ']}\n\n'
+        self.include_usage = include_usage
+
+    def chunk(self, choice: str) -> str:
+        return self.head + choice + self.tail
+
+    def closing(self, usage: Usage | None, timings: list[dict[str, Any]] | None) -> str:
+        """The usage chunk (if asked), the timings chunk (if asked), and ``[DONE]``."""
+        out = ""
+        if usage is not None and self.include_usage:
+            out += self.head + '],"usage":' + _json(usage.model_dump(mode="json")) + "}\n\n"
+        if timings is not None:
+            out += self.head + '],"pdserve_timings":' + _json(timings) + "}\n\n"
+        return out + DONE_EVENT
+
+
+def _finish_json(finish_reason: FinishReason | None) -> str:
+    return "null" if finish_reason is None else f'"{finish_reason}"'
+
+
 class ChatStreamFormatter:
     """Chunks of one streamed chat completion (``chat.completion.chunk`` objects)."""
 
-    request_id: str
-    model: str
-    created: int
-    include_usage: bool = False
+    def __init__(self, request_id: str, model: str, created: int,
+                 include_usage: bool = False) -> None:
+        self._t = _ChunkTemplate(request_id, "chat.completion.chunk", created, model,
+                                 include_usage)
 
-    def _event(self, delta: DeltaMessage, index: int, finish_reason: FinishReason | None = None,
-               logprobs: ChoiceLogprobs | None = None) -> str:
-        chunk = ChatCompletionChunk(
-            id=self.request_id, created=self.created, model=self.model,
-            choices=[ChatCompletionChunkChoice(index=index, delta=delta, logprobs=logprobs,
-                                               finish_reason=finish_reason)])
-        data = chunk.model_dump(mode="json")
-        # Deltas carry only what changed; OpenAI sends `usage: null` only when usage was asked.
-        data["choices"][0]["delta"] = {k: v for k, v in data["choices"][0]["delta"].items()
-                                       if v is not None}
-        if not self.include_usage:
-            del data["usage"]
-        return sse_event(data)
+    def _choice(self, index: int, delta: str, logprobs: ChoiceLogprobs | None = None,
+                finish_reason: FinishReason | None = None) -> str:
+        lp = "null" if logprobs is None else _json(logprobs.model_dump(mode="json"))
+        return self._t.chunk(f'{{"index":{index},"delta":{delta},"logprobs":{lp},'
+                             f'"finish_reason":{_finish_json(finish_reason)}}}')
 
     def first(self, index: int = 0) -> str:
         """A choice's opening chunk: the assistant role, empty content."""
-        return self._event(DeltaMessage(role="assistant", content=""), index)
+        return self._choice(index, '{"role":"assistant","content":""}')
 
     def delta(self, text: str, logprobs: ChoiceLogprobs | None = None, index: int = 0) -> str:
-        return self._event(DeltaMessage(content=text), index, logprobs=logprobs)
+        return self._choice(index, '{"content":' + _json(text) + "}", logprobs)
 
     def finish(self, finish_reason: FinishReason, index: int = 0) -> str:
         """A choice's finish chunk."""
-        return self._event(DeltaMessage(), index, finish_reason=finish_reason)
+        return self._choice(index, "{}", finish_reason=finish_reason)
 
-    def end(self, usage: Usage) -> str:
-        """The usage chunk when asked for, and ``[DONE]``."""
-        if not self.include_usage:
-            return DONE_EVENT
-        chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
-                                    choices=[], usage=usage)
-        return sse_event(chunk) + DONE_EVENT
+    def end(self, usage: Usage, timings: list[dict[str, Any]] | None = None) -> str:
+        """The usage chunk when asked for, the stage timings when asked for, ``[DONE]``."""
+        return self._t.closing(usage, timings)
 
 
-@dataclass(frozen=True)
 class CompletionStreamFormatter:
     """Chunks of one streamed text completion (``text_completion`` objects)."""
 
-    request_id: str
-    model: str
-    created: int
-    include_usage: bool = False
+    def __init__(self, request_id: str, model: str, created: int,
+                 include_usage: bool = False) -> None:
+        self._t = _ChunkTemplate(request_id, "text_completion", created, model, include_usage)
 
-    def _event(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        chunk = CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                   choices=choices, usage=usage)
-        data = chunk.model_dump(mode="json")
-        if not self.include_usage:
-            del data["usage"]
-        return sse_event(data)
+    def _choice(self, index: int, text: str, logprobs: CompletionLogprobs | None = None,
+                finish_reason: FinishReason | None = None) -> str:
+        lp = "null" if logprobs is None else _json(logprobs.model_dump(mode="json"))
+        return self._t.chunk(f'{{"index":{index},"text":{_json(text)},"logprobs":{lp},'
+                             f'"finish_reason":{_finish_json(finish_reason)}}}')
 
     def delta(self, text: str, logprobs: CompletionLogprobs | None = None,
               index: int = 0) -> str:
-        return self._event([CompletionChoice(index=index, text=text, logprobs=logprobs)])
+        return self._choice(index, text, logprobs)
 
     def finish(self, finish_reason: FinishReason, index: int = 0) -> str:
         """A choice's finish chunk."""
-        return self._event([CompletionChoice(index=index, text="", finish_reason=finish_reason)])
+        return self._choice(index, "", finish_reason=finish_reason)
 
-    def end(self, usage: Usage) -> str:
-        """The usage chunk when asked for, and ``[DONE]``."""
-        return (self._event([], usage=usage) if self.include_usage else "") + DONE_EVENT
+    def end(self, usage: Usage, timings: list[dict[str, Any]] | None = None) -> str:
+        """The usage chunk when asked for, the stage timings when asked for, ``[DONE]``."""
+        return self._t.closing(usage, timings)

@@ -35,8 +35,11 @@ class RequestTimings:
     ``path``: ``disaggregated`` (prefill worker + KV handoff), ``local_prefill`` (short
     prompt prefilled on the decode worker), ``colocated`` (colocated mode), or
     ``recompute_fallback`` (handoff failed, decode recomputed the prompt); None when the
-    request ended before a path was chosen (e.g. rejected). ``handoff_exposed_ms`` is the part
-    of the handoff that ran after prefill compute ended, i.e. what overlap did not hide.
+    request ended before a path was chosen (e.g. rejected). ``fallback_reason`` says why a
+    request left its planned path: ``handoff_failed``/``prefill_failed`` (recomputed),
+    ``prefill_busy``/``no_prefill_replica`` (a long enough prompt prefilled on decode).
+    ``handoff_exposed_ms`` is the part of the handoff that ran after prefill compute ended,
+    i.e. what overlap did not hide.
     """
 
     request_id: str
@@ -44,6 +47,7 @@ class RequestTimings:
     status: RequestStatus = "ok"
     finish_reason: str | None = None
     fallback_reason: str | None = None
+    handoff_error: str | None = None  # what failed in a failed handoff (timeout, digest, ...)
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     prefix_hit_tokens: int = 0

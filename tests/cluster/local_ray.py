@@ -148,20 +148,23 @@ def _ray_start(args: list[str], env: Mapping[str, str], temp_dir: Path) -> int:
 
 
 def start_head(num_cpus: int, resources: Mapping[str, float] | None = None,
-               labels: Mapping[str, str] | None = None) -> LocalRayCluster:
+               labels: Mapping[str, str] | None = None,
+               extra_env: Mapping[str, str] | None = None) -> LocalRayCluster:
     """`ray start --head` with token auth whose token lives in our own temp dir.
 
     `ray start --head` turns token auth on when a token exists (RAY_AUTH_TOKEN, then the
     file at RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token, shared by every Ray of this user);
     `ray start --address` only with RAY_AUTH_MODE=token. We give both nodes, and every
-    client, RAY_AUTH_MODE=token and a token file of our own.
+    client, RAY_AUTH_MODE=token and a token file of our own. ``extra_env`` reaches every
+    node's processes (Serve's settings, say).
     """
     # Short: Ray puts unix sockets under it, and their paths must stay under 108 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="pdray", dir="/tmp"))
     token_path = temp_dir / "auth_token"
     token_path.write_text(secrets.token_hex(32))
     token_path.chmod(0o600)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path),
+           **(extra_env or {})}
     env.pop("RAY_AUTH_TOKEN", None)
     env.pop("RAY_ADDRESS", None)
     port, dashboard_port = free_port(), free_port()

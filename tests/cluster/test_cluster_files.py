@@ -74,3 +74,19 @@ def test_cloud_file_pins_roles_apart_and_fits_the_gpu_example() -> None:
     decode = cfg.roles.decode
     assert decode.autoscaling is not None
     assert resources_at("max_workers")["pd_decode"] >= decode.autoscaling.max_replicas
+
+
+@pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
+def test_every_node_starts_ray_with_the_direct_ingress_settings(path: Path) -> None:
+    """The settings `pdserve serve` gives its own Ray, for the configs' http.port (8000)."""
+    from pdserve.cluster.frontend import direct_ingress_env
+
+    config = yaml.safe_load(path.read_text())
+    starts = [c for key in ("head_start_ray_commands", "worker_start_ray_commands")
+              for c in config[key] if "ray start" in c]
+    assert len(starts) == 2
+    for command in starts:
+        for name, value in direct_ingress_env(8000).items():
+            assert f"{name}={value} " in command, (name, command)
+    for name in ("gpu-example.yaml", "local.yaml"):
+        assert load_config(REPO / "configs" / name).http.port == 8000

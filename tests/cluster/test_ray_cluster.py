@@ -19,10 +19,12 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from local_ray import LocalRayCluster, free_port, start_head, wait_for
+from local_ray import LocalRayCluster, start_head, wait_for
+from served import free_port_range
 
 from pdserve.cluster.capacity import RatioBand, check_ratio_band, parse_ratio
 from pdserve.cluster.config import parse_config
+from pdserve.cluster.frontend import MAX_INGRESS_REPLICAS_PER_NODE, direct_ingress_env
 from pdserve.cluster.serve_config import serve_deploy_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -65,10 +67,13 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoints: dict[str, str]) -> Iterator[Cluster]:
-    ray = start_head(num_cpus=2, resources={"pd_prefill": 4})
+    # Every node runs Serve as the cluster files start it: the ingress serves http.port.
+    http_port = free_port_range(MAX_INGRESS_REPLICAS_PER_NODE + 1)
+    ray = start_head(num_cpus=2, resources={"pd_prefill": 4},
+                     extra_env=direct_ingress_env(http_port))
     try:
         ray.add_node(num_cpus=2, resources={"pd_decode": 4}, labels={"pdserve-role": "decode"})
-        yield Cluster(ray, free_port(), tiny_checkpoints["llama"])
+        yield Cluster(ray, http_port, tiny_checkpoints["llama"])
     finally:
         ray.stop()
 

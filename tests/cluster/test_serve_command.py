@@ -1,5 +1,6 @@
-"""`pdserve serve` as users run it: its own process and local Ray, one chat over HTTP, then
-SIGTERM (what process managers send), after which it exits 0 and leaves nothing running.
+"""`pdserve serve` as users run it: its own process and local Ray, one chat over HTTP served
+by the ingress replica itself (no proxy hop), then SIGTERM (what process managers send),
+after which it exits 0 and leaves nothing running.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from local_ray import free_port, pids_in_sessions, wait_for
+from local_ray import pids_in_sessions, wait_for
+from served import free_port_range, listener_pids
 
 pytestmark = pytest.mark.timeout(300)
 PDSERVE = str(Path(sys.executable).parent / "pdserve")
@@ -25,7 +27,7 @@ def test_pdserve_serve_answers_then_stops_cleanly_on_sigterm(
         tmp_path: Path, tiny_checkpoints: dict[str, str]) -> None:
     config = yaml.safe_load(LOCAL_CONFIG.read_text())
     config["model"] = {"path": tiny_checkpoints["llama"], "dtype": "float32"}
-    port = free_port()
+    port = free_port_range(17)
     config["http"] = {"host": "127.0.0.1", "port": port}
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -43,6 +45,8 @@ def test_pdserve_serve_answers_then_stops_cleanly_on_sigterm(
             "model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"], "max_tokens": 4,
             "messages": [{"role": "user", "content": "hello " * 40}]})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+        [owner] = listener_pids(port)  # direct ingress: the ingress replica holds the port
+        assert "ingress" in Path(f"/proc/{owner}/cmdline").read_bytes().decode(errors="replace")
 
         server.send_signal(signal.SIGTERM)
         assert server.wait(60) == 0

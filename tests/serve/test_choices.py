@@ -120,7 +120,8 @@ class _RecordingPipeline:
         self.hang = hang
 
     async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
-                       trace: RequestTrace) -> AsyncIterator[GenerationDelta]:
+                       trace: RequestTrace, stream: bool = True,
+                       ) -> AsyncIterator[GenerationDelta]:
         self.calls.append((request_id, params.seed))
         trace.update(path="colocated", num_prompt_tokens=len(ids))
         try:

@@ -387,7 +387,9 @@ def test_second_turn_sends_only_the_kv_decode_does_not_hold(served_apps: ServedA
 def test_metrics_endpoint_serves_stage_histograms(served_apps: ServedApps) -> None:
     chat(served_apps, "disagg", conversations()[1], stream=False)
     text = httpx.get(f"{served_apps.url('disagg')}/metrics", timeout=30).text
-    for name in ("pdserve:ttft_seconds_bucket", "pdserve:tpot_seconds_bucket",
+    for name in ("pdserve:time_to_first_token_seconds_bucket",
+                 "pdserve:request_time_per_output_token_seconds_bucket",
+                 "pdserve:inter_token_latency_seconds_bucket",
                  "pdserve:prefill_compute_seconds_bucket", "pdserve:handoff_seconds_bucket",
                  "pdserve:tokenize_seconds_bucket", "pdserve:decode_reserve_seconds_bucket",
                  "pdserve:handoff_bytes_bucket", "pdserve:handoff_exposed_seconds_bucket"):
@@ -398,7 +400,9 @@ def test_metrics_endpoint_serves_stage_histograms(served_apps: ServedApps) -> No
 def test_models_and_health(served_apps: ServedApps) -> None:
     models = client(served_apps, "disagg").models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    assert httpx.get(f"{served_apps.url('colo')}/health", timeout=30).json() == {"status": "ok"}
+    for app, roles in (("colo", {"decode": 1}), ("disagg", {"decode": 1, "prefill": 1})):
+        r = httpx.get(f"{served_apps.url(app)}/health", timeout=30)
+        assert r.status_code == 200 and r.json() == {"status": "ok", "replicas": roles}
 
 
 def test_admission_limit_answers_429_with_retry_after(served_apps: ServedApps) -> None:

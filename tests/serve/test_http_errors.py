@@ -209,3 +209,18 @@ def test_ray_serve_backpressure_is_429() -> None:
     answer = openai_error(serve_exceptions.BackPressureError(num_queued_requests=10,
                                                               max_queued_requests=10))
     assert (answer.status, answer.headers) == (429, {"Retry-After": "1"})
+
+
+def test_foreign_errors_answer_a_public_message_and_log_the_detail(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from ray.exceptions import RayActorError
+
+    detail = "The actor died: pid=4242, ip=10.1.2.3, actor_id=abcdef0123456789abcd, namespace=x"
+    with caplog.at_level(logging.WARNING, logger="pdserve.router.http_errors"):
+        answer = openai_error(RayActorError(error_msg=detail), "POST /v1/completions")
+    assert answer.status == 503
+    assert answer.body["error"]["message"] == "a worker failed while serving this request; retry it"
+    assert [r.getMessage().count(detail) for r in caplog.records] == [1]
+    # pdserve's own errors are written for the client and keep their message.
+    own = openai_error(ServiceUnavailableError("no decode replica is running"))
+    assert own.body["error"]["message"] == "no decode replica is running"

@@ -11,9 +11,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.metrics import PdserveMetrics
+from pdserve.router.roles import ReplicaLoad
 from pdserve.router.timings import RequestTimings, time_per_output_token_ms
 
-HISTOGRAMS = ["pdserve:ttft_seconds", "pdserve:tpot_seconds", "pdserve:e2e_seconds",
+HISTOGRAMS = ["pdserve:time_to_first_token_seconds",
+              "pdserve:request_time_per_output_token_seconds",
+              "pdserve:e2e_request_latency_seconds",
               "pdserve:tokenize_seconds", "pdserve:decode_reserve_seconds",
               "pdserve:prefill_queue_seconds", "pdserve:prefill_compute_seconds",
               "pdserve:handoff_seconds", "pdserve:handoff_exposed_seconds", "pdserve:handoff_bytes"]
@@ -29,12 +32,7 @@ def disaggregated(request_id: str = "r1", **changes: object) -> RequestTimings:
 
 
 def samples(metrics: PdserveMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    text = metrics.render().decode()
-    found = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
-    return found
+    return samples_of(metrics.render())
 
 
 def test_log_line_is_one_json_object_with_every_field() -> None:
@@ -76,8 +74,8 @@ def test_render_holds_every_stage_histogram_after_observe() -> None:
         assert f"# TYPE {name} histogram" in text, name
     found = samples(metrics)
     path = (("path", "disaggregated"),)
-    assert found[("pdserve:ttft_seconds_count", path)] == 1
-    assert found[("pdserve:ttft_seconds_sum", path)] == pytest.approx(0.045)
+    assert found[("pdserve:time_to_first_token_seconds_count", path)] == 1
+    assert found[("pdserve:time_to_first_token_seconds_sum", path)] == pytest.approx(0.045)
     assert found[("pdserve:handoff_exposed_seconds_sum", ())] == pytest.approx(0.00125)
     assert found[("pdserve:handoff_bytes_sum", ())] == 3 << 20
     assert found[("pdserve:prefix_hit_tokens_total", ())] == 64
@@ -98,8 +96,9 @@ def test_counters_accumulate_and_label_paths_statuses_and_fallbacks() -> None:
     assert found[("pdserve:prefill_tokens_computed_total", ())] == 36 + 4 + 200
     assert found[("pdserve:fallbacks_total", (("reason", "handoff_timeout"),))] == 1
     assert found[("pdserve:requests_total", (("path", "none"), ("status", "rejected")))] == 1
-    assert found[("pdserve:ttft_seconds_count", (("path", "disaggregated"),))] == 2
-    assert found[("pdserve:ttft_seconds_count", (("path", "recompute_fallback"),))] == 1
+    assert found[("pdserve:time_to_first_token_seconds_count", (("path", "disaggregated"),))] == 2
+    assert found[("pdserve:time_to_first_token_seconds_count",
+                  (("path", "recompute_fallback"),))] == 1
     # The rejected request measured no stage: no histogram moved for it.
     assert found[("pdserve:tokenize_seconds_count", ())] == 3
 
@@ -109,3 +108,38 @@ def test_instances_do_not_share_a_registry() -> None:
     first.observe(disaggregated())
     assert samples(second)[("pdserve:prompt_tokens_total", ())] == 0
     assert samples(first)[("pdserve:prompt_tokens_total", ())] == 100
+
+
+def test_role_gauges_follow_the_latest_loads_and_forget_gone_replicas() -> None:
+    metrics = PdserveMetrics()
+    loads = [ReplicaLoad("decode", "d1", num_blocks=200, num_free_blocks=150, num_running=3,
+                         num_waiting=1),
+             ReplicaLoad("prefill", "p1", num_blocks=100, num_free_blocks=100, num_running=0,
+                         num_waiting=2)]
+    found = samples_of(metrics.render(loads, num_in_flight=5))
+    d1, p1 = (("replica", "d1"), ("role", "decode")), (("replica", "p1"), ("role", "prefill"))
+    assert found[("pdserve:kv_cache_usage_perc", d1)] == pytest.approx(0.25)
+    assert found[("pdserve:kv_cache_usage_perc", p1)] == 0.0
+    assert found[("pdserve:num_requests_running", d1)] == 3
+    assert found[("pdserve:num_requests_waiting", p1)] == 2
+    assert found[("pdserve:num_requests_in_flight", ())] == 5
+    later = samples_of(metrics.render(loads[:1]))
+    assert ("pdserve:kv_cache_usage_perc", p1) not in later  # p1 stopped reporting
+
+
+def test_handoff_failures_count_by_reason_and_token_gaps_fill_the_itl_histogram() -> None:
+    metrics = PdserveMetrics()
+    metrics.observe(disaggregated("a", path="recompute_fallback", fallback_reason="handoff_failed",
+                                  handoff_error="timeout"))
+    metrics.observe_token_gaps("disaggregated", [0.01, 0.02, 0.02])
+    found = samples(metrics)
+    assert found[("pdserve:handoff_failures_total", (("reason", "timeout"),))] == 1
+    itl = (("path", "disaggregated"),)
+    assert found[("pdserve:inter_token_latency_seconds_count", itl)] == 3
+    assert found[("pdserve:inter_token_latency_seconds_sum", itl)] == pytest.approx(0.05)
+
+
+def samples_of(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text.decode())
+            for sample in family.samples}

@@ -1,0 +1,90 @@
+"""The ingress's HTTP routes: the OpenAI endpoints, models, health and metrics.
+
+Errors leave as OpenAI error bodies (`http_errors.install_error_handlers`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.router.http_errors import install_error_handlers
+from pdserve.router.http_guard import HttpGuard
+from pdserve.router.openapi import install_openapi
+from pdserve.router.protocol import ModelCard, ModelList, unix_time
+
+if TYPE_CHECKING:
+    from pdserve.router.ingress import Ingress
+
+
+def build_app(ingress: Ingress) -> FastAPI:
+    app = FastAPI(title="pdserve", description="OpenAI-compatible PD-disaggregated serving")
+    install_error_handlers(app, extra_exception_classes=_ray_backpressure_classes())
+    app.add_middleware(HttpGuard, settings=ingress.settings.http)
+    install_openapi(app, ingress.settings.served_model_name, ingress.settings.http)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        ingress.admission.check_open()  # before the body is even read
+        body = await request.body()
+        return await until_disconnected(request, ingress.chat(body))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        ingress.admission.check_open()
+        body = await request.body()
+        return await until_disconnected(request, ingress.completion(body))
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = ModelCard(id=ingress.settings.served_model_name, created=unix_time(),
+                         max_model_len=ingress.settings.max_model_len)
+        return ModelList(data=[card]).model_dump(mode="json")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = await ingress.health()
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ingress.render_metrics(), media_type=ingress.metrics.content_type)
+
+    return app
+
+
+async def until_disconnected(request: Request, answer: Awaitable[Response]) -> Response:
+    """Await ``answer``, cancelling it when the client disconnects first: nothing else would
+    stop a whole (non-streamed) generation nobody will read. A stream's response watches
+    for the disconnect itself once it has started."""
+    task = asyncio.ensure_future(answer)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _ray_backpressure_classes() -> tuple[type[BaseException], ...]:
+    try:
+        from ray.serve.exceptions import BackPressureError
+    except ImportError:  # pragma: no cover - Ray is a dependency; keep the app importable
+        return ()
+    return (BackPressureError,)

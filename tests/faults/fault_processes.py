@@ -1,0 +1,106 @@
+"""Processes a test started and the sockets they listen on, read from /proc (Linux).
+
+Scoped by parentage or session, so a test never touches another agent's processes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+_TCP_LISTEN = "0A"
+
+
+@dataclass(frozen=True)
+class ListeningSocket:
+    pid: int
+    title: str  # the process's command line (Ray workers show ray::<Class>:...)
+    protocol: str  # tcp or udp
+    host: str
+    port: int
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()  # after the command name: state, ppid, pgrp, sid
+
+
+def _all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def descendants(root: int) -> list[int]:
+    """Every living process below ``root`` (children, their children, ...)."""
+    children: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        fields = _stat_fields(pid)
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def in_session(session_id: int) -> list[int]:
+    """Every living process of session ``session_id`` (a process started with a new session
+    and everything it spawned, daemons included)."""
+    return [pid for pid in _all_pids()
+            if (fields := _stat_fields(pid)) is not None and int(fields[3]) == session_id]
+
+
+def title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def _sockets(pid: int, protocol: str) -> dict[int, tuple[str, int, str]]:
+    """inode -> (host, port, state) of ``pid``'s network namespace's ``protocol`` sockets."""
+    rows: dict[int, tuple[str, int, str]] = {}
+    for name, family in ((protocol, socket.AF_INET), (protocol + "6", socket.AF_INET6)):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            address, port = fields[1].split(":")
+            raw = bytes.fromhex(address)
+            # /proc prints each 32-bit word of the address in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            rows[int(fields[9])] = (socket.inet_ntop(family, raw), int(port, 16), fields[3])
+    return rows
+
+
+def listening_sockets(pids: list[int]) -> list[ListeningSocket]:
+    """TCP sockets in LISTEN and bound UDP sockets held open by ``pids``."""
+    found = []
+    for pid in pids:
+        tables = {"tcp": _sockets(pid, "tcp"), "udp": _sockets(pid, "udp")}
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if not link.startswith("socket:["):
+                continue
+            inode = int(link[len("socket:["):-1])
+            for protocol, table in tables.items():
+                if inode in table:
+                    host, port, state = table[inode]
+                    if protocol == "udp" or state == _TCP_LISTEN:
+                        found.append(ListeningSocket(pid, title(pid), protocol, host, port))
+    return found

@@ -1,0 +1,146 @@
+"""The edge under pressure: overload at 4x the admission bound gets only fast 429s and 200s,
+one huge body freezes nobody, and a client leaving early is a cancellation, not an error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import httpx
+import numpy as np
+import pytest
+from served import wait_for
+
+if TYPE_CHECKING:
+    from served import ServedApps
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+LIMIT = 8
+BODY = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Tell me one short fact."}]}
+
+
+@pytest.fixture(scope="module")
+def edge_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
+    from served import app_config
+
+    with ray_serve.deploy("edge", app_config(tiny_checkpoints["llama"], "colocated",
+                                             max_queued_requests=LIMIT)) as url:
+        yield url
+
+
+async def _closed_loop(url: str, clients: int, duration_s: float
+                       ) -> list[tuple[int, float, str | None]]:
+    """``clients`` clients each sending requests back to back for ``duration_s``: (status,
+    latency, Retry-After) of every request."""
+    results: list[tuple[int, float, str | None]] = []
+    stop_at = time.monotonic() + duration_s
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while time.monotonic() < stop_at:
+            start = time.monotonic()
+            r = await http.post(f"{url}/v1/chat/completions", json=BODY)
+            results.append((r.status_code, time.monotonic() - start,
+                            r.headers.get("retry-after")))
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "overloaded"
+                await asyncio.sleep(float(r.headers["retry-after"]))
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+        await asyncio.gather(*[client(http) for _ in range(clients)])
+    return results
+
+
+def test_overload_at_4x_the_bound_answers_fast_429s_and_keeps_admitted_latency(
+        ray_serve: ServedApps, edge_app: str) -> None:
+    unloaded = asyncio.run(_closed_loop(edge_app, LIMIT, 6.0))
+    assert {status for status, _, _ in unloaded} == {200}
+    loaded = asyncio.run(_closed_loop(edge_app, 4 * LIMIT, 12.0))
+    statuses = {status for status, _, _ in loaded}
+    assert statuses <= {200, 429} and 429 in statuses, statuses
+    rejected = np.array([lat for status, lat, _ in loaded if status == 429])
+    admitted = np.array([lat for status, lat, _ in loaded if status == 200])
+    assert all(float(retry) >= 1 for status, _, retry in loaded if status == 429)
+    p99_429 = float(np.percentile(rejected, 99))
+    p99_unloaded = float(np.percentile([lat for _, lat, _ in unloaded], 99))
+    p99_admitted = float(np.percentile(admitted, 99))
+    print(f"429 p99 {p99_429 * 1000:.0f} ms over {len(rejected)}; admitted p99 "
+          f"{p99_admitted * 1000:.0f} ms over {len(admitted)} vs unloaded "
+          f"{p99_unloaded * 1000:.0f} ms")
+    assert p99_429 <= 0.1
+    assert p99_admitted <= 2 * p99_unloaded
+    assert httpx.get(f"{edge_app}/health", timeout=10).status_code == 200
+    ray_serve.wait_all_free("edge")
+
+
+def test_a_huge_body_is_refused_by_its_length_and_freezes_nobody(edge_app: str) -> None:
+    huge = {**BODY, "messages": [{"role": "user", "content": "lighthouse keeper " * 120_000}]}
+    payload = json.dumps(huge).encode()  # ~2 MB of text for a 4,096-token model
+
+    async def run() -> tuple[httpx.Response, float, list[float]]:
+        async with httpx.AsyncClient(timeout=60) as http:
+            async def small_ones() -> list[float]:
+                latencies = []
+                for _ in range(10):
+                    start = time.monotonic()
+                    r = await http.get(f"{edge_app}/v1/models")
+                    assert r.status_code == 200
+                    latencies.append(time.monotonic() - start)
+                return latencies
+
+            async def big_one() -> tuple[httpx.Response, float]:
+                start = time.monotonic()
+                r = await http.post(f"{edge_app}/v1/chat/completions", content=payload,
+                                    headers={"content-type": "application/json"})
+                return r, time.monotonic() - start
+
+            (big, took), latencies = await asyncio.gather(big_one(), small_ones())
+            return big, took, latencies
+
+    big, took, latencies = asyncio.run(run())
+    assert big.status_code == 400, big.text
+    error = big.json()["error"]
+    assert error["code"] == "context_length_exceeded" and "4096" in error["message"]
+    assert took < 3.0  # refused from its length, never tokenized
+    assert max(latencies) < 1.0, latencies
+
+
+def test_a_client_leaving_before_its_answer_is_a_cancellation_and_stops_the_work(
+        ray_serve: ServedApps, edge_app: str) -> None:
+    """A non-streamed client gives up before anything reached it: the generation stops (the
+    decode engine aborts it and frees its blocks) and it counts as cancelled, not failed."""
+    def count(text: str, status: str) -> float:
+        prefix = f'pdserve:requests_total{{path="colocated",status="{status}"}}'
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(prefix))
+
+    before = httpx.get(f"{edge_app}/metrics", timeout=10).text
+    aborted = ray_serve.kv_stats("edge")["decode"]["num_aborted"]
+    body = {**BODY, "max_tokens": 3000}
+
+    async def leave_early() -> None:
+        async with httpx.AsyncClient(timeout=60) as http:
+            request = asyncio.ensure_future(http.post(f"{edge_app}/v1/chat/completions",
+                                                      json=body))
+            done, _ = await asyncio.wait([request], timeout=0.5)  # 3000 tokens take longer
+            assert not done
+            request.cancel()
+
+    for _ in range(3):
+        asyncio.run(leave_early())
+
+    def counted() -> bool:
+        after = httpx.get(f"{edge_app}/metrics", timeout=10).text
+        return count(after, "cancelled") - count(before, "cancelled") == 3
+
+    wait_for(counted, 30, "three cancelled requests in /metrics")
+    after = httpx.get(f"{edge_app}/metrics", timeout=10).text
+    assert count(after, "error") == count(before, "error")
+    assert count(after, "ok") == count(before, "ok")
+    ray_serve.wait_all_free("edge")
+    assert ray_serve.kv_stats("edge")["decode"]["num_aborted"] == aborted + 3
