@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -17,7 +18,9 @@ def configure_logging(level: str | None = None) -> None:
     logger = logging.getLogger("pdserve")
     logger.setLevel(level or os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     if not any(getattr(h, "_pdserve", False) for h in logger.handlers):
-        handler = logging.StreamHandler()
+        # The process's own stderr (Ray's worker log): Serve may have replaced sys.stderr
+        # with a buffered logger of its own (throughput-optimized Serve does in replicas).
+        handler = logging.StreamHandler(sys.__stderr__)
         handler.setFormatter(logging.Formatter(FORMAT))
         handler._pdserve = True  # type: ignore[attr-defined]
         logger.addHandler(handler)

@@ -6,6 +6,7 @@ on loopback. Ray is imported only once `serve` has set up its environment (see `
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -83,30 +84,34 @@ def init_ray(cfg: PdserveConfig, address: str) -> None:
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
 
 
-def drain(cfg: PdserveConfig, app_name: str = APP_NAME) -> None:
+async def drain_and_shut_down(cfg: PdserveConfig, app_name: str = APP_NAME) -> None:
     """Every ingress replica stops admitting and lets its requests finish (up to
-    ``http.drain_timeout_s``), then ends the rest, before Serve stops."""
+    ``http.drain_timeout_s``), then ends the rest; then Serve stops. On an event loop:
+    Serve's throughput-optimized handles route on their caller's loop."""
     from ray import serve
 
-    app = serve.status().applications.get(app_name)
-    if app is None or "ingress" not in app.deployments:
-        return
-    num_replicas = app.deployments["ingress"].replica_states.get("RUNNING", 0)
-    handle = serve.get_app_handle(app_name)
+    try:
+        app = serve.status().applications.get(app_name)
+        if app is not None and "ingress" in app.deployments:
+            num_replicas = app.deployments["ingress"].replica_states.get("RUNNING", 0)
+            await _drain_replicas(serve.get_app_handle(app_name), num_replicas,
+                                  cfg.http.drain_timeout_s)
+    finally:
+        await serve.shutdown_async()
+
+
+async def _drain_replicas(handle: Any, num_replicas: int, timeout_s: float) -> None:
     drained: set[str] = set()
     for _ in range(3):  # Serve routes each call: ask again until every replica answered
-        calls = [handle.drain.remote(cfg.http.drain_timeout_s)
-                 for _ in range(num_replicas - len(drained))]
-        for call in calls:
-            try:
-                done = call.result(timeout_s=cfg.http.drain_timeout_s + 30)
-            except Exception as exc:  # noqa: BLE001 - a replica that cannot drain just stops
-                logger.warning("an ingress replica did not drain: %s", exc)
+        calls = [handle.drain.remote(timeout_s) for _ in range(num_replicas - len(drained))]
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException):  # a replica that cannot drain just stops
+                logger.warning("an ingress replica did not drain: %s", result)
                 continue
-            drained.add(done["replica_id"])
-            if done["num_stopped"]:
+            drained.add(result["replica_id"])
+            if result["num_stopped"]:
                 logger.warning("drain: %d generation(s) were still running after %.0f s and "
-                               "were stopped", done["num_stopped"], cfg.http.drain_timeout_s)
+                               "were stopped", result["num_stopped"], timeout_s)
         if len(drained) >= num_replicas:
             return
 
@@ -130,10 +135,11 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
         print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)",
               flush=True)
         stop.wait()
-        print("pdserve is draining (new requests get 503)", flush=True)
-        drain(cfg)
-    finally:
+    except BaseException:
         from ray import serve as ray_serve
 
         ray_serve.shutdown()
+        raise
+    print("pdserve is draining (new requests get 503)", flush=True)
+    asyncio.run(drain_and_shut_down(cfg))
     return 0

@@ -158,3 +158,32 @@ def test_a_killed_decode_replica_ends_its_streams_with_a_clear_error(
     r = chat(faults_app, 10)
     assert r.json()["choices"][0]["message"]["content"] == greedy[10]
     ray_serve.wait_all_free(APP)  # prefill released the blocks it was sending from
+
+
+def test_a_prefill_replica_stopped_by_a_downscale_finishes_its_transfers(
+        ray_serve: ServedApps, tiny_checkpoints: dict[str, str], greedy: dict[int, str]) -> None:
+    """Serve stops one of two prefill replicas while prompts are being prefilled and sent:
+    it waits for their prefill calls, and the replica waits for their KV to arrive, so none
+    is recomputed on decode."""
+    from served import app_config
+
+    raw = app_config(tiny_checkpoints["llama"], "disaggregated")
+    raw["roles"]["prefill"]["replicas"] = 2
+    raw["roles"]["prefill"]["resources"] = {"num_cpus": 0.5}
+    raw["router"]["prefill_policy"] = "round_robin"
+    with ray_serve.deploy("scale", raw) as url:
+        wait_for(lambda: len(replica_pids("scale", "prefill")) == 2, 60, "two prefill replicas")
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            in_flight = [pool.submit(chat, url, i, False, True) for i in range(8)]
+            wait_for(lambda: ray_serve.kv_stats("scale")["decode"]["num_awaiting_kv"] >= 2,
+                     60, "transfers in flight on both replicas")
+            raw["roles"]["prefill"]["replicas"] = 1
+            ray_serve.start_app("scale", raw)  # Serve stops one replica gracefully
+            answers = [f.result(timeout=120) for f in in_flight]
+        for i, r in enumerate(answers):
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == greedy[i]
+            [t] = r.json()["pdserve_timings"]
+            assert t["path"] == "disaggregated", (i, t["fallback_reason"], t["handoff_error"])
+        wait_for(lambda: len(replica_pids("scale", "prefill")) == 1, 60, "one prefill replica")
+        ray_serve.wait_all_free("scale")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import httpx
 import openai
 import pytest
+from served import wait_for
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
@@ -395,6 +396,17 @@ def test_metrics_endpoint_serves_stage_histograms(served_apps: ServedApps) -> No
                  "pdserve:handoff_bytes_bucket", "pdserve:handoff_exposed_seconds_bucket"):
         assert metric_value(text, name) > 0, name
     assert 'path="disaggregated"' in text
+
+    def role_gauges_shown() -> bool:  # as the ingress last heard them from each replica
+        text = httpx.get(f"{served_apps.url('disagg')}/metrics", timeout=30).text
+        lines = [line for line in text.splitlines() if not line.startswith("#")]
+        return all(any(line.startswith(f"pdserve:{gauge}{{") and f'role="{role}"' in line
+                       for line in lines)
+                   for role in ("decode", "prefill")
+                   for gauge in ("kv_cache_usage_perc", "num_requests_running",
+                                 "num_requests_waiting"))
+
+    wait_for(role_gauges_shown, 10, "per-role gauges in /metrics")
 
 
 def test_models_and_health(served_apps: ServedApps) -> None:
