@@ -5,6 +5,7 @@ Text out is exactly what the engines produced; this file adds no tokens, only ro
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -17,7 +18,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.api import PrefillRequest, PrefillResult
 from pdserve.router.errors import OverloadedError, ServiceUnavailableError
 from pdserve.router.prefill_load import LocalPrefillPolicy, PrefillLoad
-from pdserve.router.roles import RoleMonitor
+from pdserve.router.roles import RoleMonitor, replica_died
 from pdserve.router.timings import RequestTimings
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,9 @@ class GenerationPipeline:
         try:
             async for event in events:
                 yield _delta(event)
+        except Exception as exc:
+            self._note_failure("decode", exc)
+            raise
         finally:
             events.cancel()
 
@@ -139,9 +143,16 @@ class GenerationPipeline:
             queued = len(prompt_ids) - ticket_event.num_cached_tokens
             self.prefill_load.begin(queued)
             try:
-                result: PrefillResult = await prefill_call
+                result: PrefillResult = await self._prefill_result(prefill_call)
+            except _PrefillGone:  # no prefill replica to wait for: prefill on decode now
+                events.cancel()
+                trace.update(path="local_prefill", fallback_reason="no_prefill_replica")
+                async for delta in self._on_decode(request_id, prompt_ids, params, (), interval):
+                    yield delta
+                return
             except Exception as exc:  # noqa: BLE001 - any prefill failure: recompute on decode
                 logger.warning("prefill of %s failed, recomputing on decode: %s", request_id, exc)
+                self._note_failure("prefill", exc)
                 events.cancel()
                 trace.update(path="recompute_fallback", fallback_reason="prefill_failed")
                 async for delta in self._on_decode(request_id, prompt_ids, params, (), interval):
@@ -172,10 +183,44 @@ class GenerationPipeline:
                                  handoff_bytes=event.handoff_bytes,
                                  handoff_exposed_ms=(time.monotonic() - prefill_done) * 1000.0)
                 yield _delta(event)
+        except Exception as exc:
+            self._note_failure("decode", exc)
+            raise
         finally:
             events.cancel()
             if prefill_call is not None:
                 prefill_call.cancel()
+
+    async def _prefill_result(self, call: Any) -> PrefillResult:
+        """The prefill call's answer, unless the prefill role is (or becomes) known to have
+        no live replica first: Serve would hold the call until a replacement starts."""
+        if self.roles is None:
+            return await call  # type: ignore[no-any-return]
+        gone = self.roles.gone("prefill")
+        if gone.is_set():
+            raise _PrefillGone
+
+        async def answer() -> PrefillResult:
+            return await call  # type: ignore[no-any-return]
+
+        answered, gave_up = asyncio.ensure_future(answer()), asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait((answered, gave_up), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gave_up.cancel()
+            if not answered.done():
+                answered.cancel()
+        if answered.cancelled():
+            raise _PrefillGone
+        return answered.result()
+
+    def _note_failure(self, role: str, exc: BaseException) -> None:
+        if self.roles is not None and replica_died(exc):
+            self.roles.report_dead(role)
+
+
+class _PrefillGone(Exception):
+    """The prefill role has no live replica to run this request."""
 
 
 def _delta(event: DecodeEvent) -> GenerationDelta:

@@ -42,7 +42,12 @@ class ReplicaLoad:
 class RoleMonitor:
     """Polls every ``interval_s``: Serve's count of running replicas per role (`counts`), and
     each role's `role_stats` (through its handle, so the role's router picks a replica; with
-    several replicas, as many probes as replicas, and each one's latest figures kept)."""
+    several replicas, as many probes as replicas, and each one's latest figures kept).
+
+    Serve's controller notices a replica that died only at its next health check; a call
+    that failed because its replica died says so at once (`report_dead`): the role then
+    counts as missing until a probe sent after that gets an answer.
+    """
 
     def __init__(self, handles: Mapping[str, Any], counts: Callable[[], Awaitable[ReplicaCounts]],
                  interval_s: float = 1.0, probe_timeout_s: float = 2.0) -> None:
@@ -54,6 +59,8 @@ class RoleMonitor:
         self._loads: dict[tuple[str, str], ReplicaLoad] = {}
         self._task: asyncio.Task[None] | None = None
         self.refreshed = asyncio.Event()
+        self._dead_since: dict[str, float] = {}
+        self._gone = {role: asyncio.Event() for role in self.handles}
 
     def start(self) -> None:
         """Start polling on the running loop (idempotent)."""
@@ -67,10 +74,25 @@ class RoleMonitor:
                 await self._task
 
     def missing(self) -> list[str]:
-        """Roles with no running replica (none known before the first poll)."""
-        if self.counts is None:
-            return []
-        return sorted(role for role in self.handles if self.counts.get(role, 0) == 0)
+        """Roles with no running replica, or whose replica was just reported dead."""
+        counted = set() if self.counts is None else {
+            role for role in self.handles if self.counts.get(role, 0) == 0}
+        return sorted(counted | set(self._dead_since))
+
+    def report_dead(self, role: str) -> None:
+        """A call to ``role`` failed because its replica died: if that was the role's only
+        replica as far as Serve last said, the role is missing now."""
+        if self.counts is not None and self.counts.get(role, 0) > 1:
+            return  # others serve on; Serve's router already avoids the dead one
+        if role in self.handles and role not in self._dead_since:
+            logger.warning("a %s replica died; the role counts as missing until one answers",
+                           role)
+            self._dead_since[role] = time.monotonic()
+            self._gone[role].set()
+
+    def gone(self, role: str) -> asyncio.Event:
+        """Set while ``role`` is reported dead: calls waiting on it may give up."""
+        return self._gone[role]
 
     def loads(self) -> list[ReplicaLoad]:
         now = time.monotonic()
@@ -86,8 +108,9 @@ class RoleMonitor:
 
     async def poll(self) -> None:
         counts = dict(await self._counts_source())
+        # A role reported dead is probed even where Serve still counts no replica for it.
         probes = [self._probe(role) for role, n in counts.items() if role in self.handles
-                  for _ in range(n)]
+                  for _ in range(max(n, role in self._dead_since))]
         await asyncio.gather(*probes)
         self.counts = counts
         alive = {role for role, n in counts.items() if n}
@@ -95,11 +118,15 @@ class RoleMonitor:
         self.refreshed.set()
 
     async def _probe(self, role: str) -> None:
+        sent_at = time.monotonic()
         try:
             async with asyncio.timeout(self.probe_timeout_s):
                 stats = await self.handles[role].role_stats.remote()
         except Exception:  # noqa: BLE001 - a slow or dying replica just misses this round
             return
+        if self._dead_since.get(role, sent_at) < sent_at:  # a live replica answered
+            del self._dead_since[role]
+            self._gone[role].clear()
         load = ReplicaLoad(role=role, replica_id=str(stats["replica_id"]),
                            num_blocks=int(stats["num_blocks"]),
                            num_free_blocks=int(stats["num_free_blocks"]),
@@ -119,3 +146,9 @@ async def serve_replica_counts(app_name: str, roles: list[str]) -> dict[str, int
         return dict.fromkeys(roles, 0)
     return {role: (app.deployments[role].replica_states.get("RUNNING", 0)
                    if role in app.deployments else 0) for role in roles}
+
+
+def replica_died(exc: BaseException) -> bool:
+    """Whether a call failed because the replica serving it died (Ray's actor errors)."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"ActorDiedError", "RayActorError", "ActorUnavailableError"})

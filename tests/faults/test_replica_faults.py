@@ -97,6 +97,9 @@ def test_a_killed_prefill_replica_loses_no_request_and_long_prompts_go_to_decode
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == greedy[i]
 
+    # The failed calls told the ingress that prefill has no replica until a new one answers.
+    status, body = health(faults_app)
+    assert (status, body["missing_roles"]) == (503, ["prefill"])
     wait_for(lambda: health(faults_app)[0] == 200, 90, "the prefill replica to be back")
     r = chat(faults_app, 8, timings=True)
     assert r.json()["choices"][0]["message"]["content"] == greedy[8]
