@@ -36,7 +36,9 @@ def offline() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def ensure_checkpoint(model_dir: Path, family: str, size: str, seed: int = 0) -> Path:
+def ensure_checkpoint(
+    model_dir: Path, family: str, size: str, seed: int = 0, dtype: str = "float32"
+) -> Path:
     """Path of a generated checkpoint, making it (deterministically) on first use.
 
     Written to a temporary sibling and renamed, so an interrupted run never leaves a
@@ -44,7 +46,8 @@ def ensure_checkpoint(model_dir: Path, family: str, size: str, seed: int = 0) ->
     """
     from pdserve.engine.checkpoint_maker import make_checkpoint
 
-    target = model_dir / f"{family}-{size}-seed{seed}"
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    target = model_dir / f"{family}-{size}-seed{seed}{suffix}"
     if (target / "config.json").is_file():
         return target
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -52,7 +55,7 @@ def ensure_checkpoint(model_dir: Path, family: str, size: str, seed: int = 0) ->
     started = time.perf_counter()
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=model_dir))
     try:
-        make_checkpoint(staging, family, size, seed=seed)
+        make_checkpoint(staging, family, size, seed=seed, dtype=dtype)
         staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -51,6 +51,7 @@ class PhaseTally:
     carries prompt tokens (its decode rows are the outputs past each request's first token).
     """
 
+    num_requests: int  # the full batch: decode-only steps with this many rows are timed apart
     prefill_steps: int = 0
     prefill_prompt_tokens: int = 0
     prefill_decode_rows: int = 0  # decode rows that rode along in steps carrying prompt tokens
@@ -58,12 +59,17 @@ class PhaseTally:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    full_batch_steps: int = 0
+    full_batch_seconds: float = 0.0
 
     def add(self, num_computed: int, outputs: list[RequestOutput], seconds: float) -> None:
         if num_computed == len(outputs):
             self.decode_steps += 1
             self.decode_tokens += num_computed
             self.decode_seconds += seconds
+            if num_computed == self.num_requests:
+                self.full_batch_steps += 1
+                self.full_batch_seconds += seconds
             return
         rows = sum(1 for out in outputs if out.num_output_tokens > 1)
         self.prefill_steps += 1
@@ -94,15 +100,18 @@ class Comparison:
             "pdserve_prefill_tokens_per_s": phases.prefill_prompt_tokens
             / max(phases.prefill_seconds, 1e-9),
             "pdserve_decode_tokens_per_s": phases.decode_tokens / max(phases.decode_seconds, 1e-9),
+            "pdserve_full_batch_step_ms": 1000 * phases.full_batch_seconds
+            / max(phases.full_batch_steps, 1),
         }
 
 
 def print_report(args: argparse.Namespace, num_prompt_tokens: int, result: Comparison) -> None:
     rates, phases = result.rates(), result.phases
     print(
-        f"workload: {result.num_requests} requests, {num_prompt_tokens} prompt tokens (lengths "
-        f"{args.min_prompt_len}-{args.max_prompt_len}, seed {args.seed}), {args.output_len} "
-        f"output tokens each, greedy, EOS ignored; {args.size} llama"
+        f"workload {args.workload}: {result.num_requests} requests, {num_prompt_tokens} prompt "
+        f"tokens (lengths {args.min_prompt_len}-{args.max_prompt_len}, seed {args.seed}), "
+        f"{args.output_len} output tokens each, greedy, EOS ignored; {args.size} llama, "
+        f"{args.dtype}"
     )
     lines = [
         ("pdserve (continuous batching)", result.pdserve, rates["pdserve_output_tokens_per_s"]),
@@ -119,7 +128,8 @@ def print_report(args: argparse.Namespace, num_prompt_tokens: int, result: Compa
             f"{run.seconds:.1f} s; CPU {run.cpu_seconds:.1f} s; load avg after "
             f"{run.load_after:.2f}{padded})"
         )
-    target = "smoke run; the 1.5x target is for the default run" if args.quick else "target >= 1.5x"
+    target = {"spread": "target >= 1.5x", "decode": "target: decode >= 1,600 tokens/s"}.get(
+        args.workload, "smoke run; the 1.5x target is for the spread workload")
     print(
         f"ratio pdserve / transformers: {rates['ratio']:.2f}x ({target}); "
         f"by CPU time {rates['ratio_by_cpu_time']:.2f}x"
@@ -129,7 +139,9 @@ def print_report(args: argparse.Namespace, num_prompt_tokens: int, result: Compa
         f"({phases.prefill_prompt_tokens} tokens in {phases.prefill_steps} steps, "
         f"{phases.prefill_seconds:.1f} s)\npdserve decode:  "
         f"{rates['pdserve_decode_tokens_per_s']:8.1f} tokens/s ({phases.decode_tokens} tokens "
-        f"in {phases.decode_steps} decode-only steps, {phases.decode_seconds:.1f} s)"
+        f"in {phases.decode_steps} decode-only steps, {phases.decode_seconds:.1f} s)\n"
+        f"pdserve decode step at batch {phases.num_requests}: "
+        f"{rates['pdserve_full_batch_step_ms']:.2f} ms mean over {phases.full_batch_steps} steps"
     )
     print(
         "  method: each engine step is timed; a step is decode-only when every row it computed "
@@ -138,15 +150,21 @@ def print_report(args: argparse.Namespace, num_prompt_tokens: int, result: Compa
         "along in them); decode rate = tokens / time of decode-only steps."
     )
     ok = result.parity_matches == result.num_requests
+    if args.dtype != "float32":
+        # Measured on the medium model: transformers' own eager and sdpa attention disagree
+        # within the first 0-25 greedy tokens in bfloat16, as pdserve does with either.
+        verdict = "informational: bfloat16 rounding splits near-ties; parity is held in float32"
+    else:
+        verdict = "OK" if ok else "MISMATCH - a bug to report"
     print(
         f"greedy parity: {result.parity_matches}/{result.num_requests} requests token-identical "
-        f"({'OK' if ok else 'MISMATCH - a bug to report'})"
+        f"({verdict})"
     )
 
 
 def save_report(args: argparse.Namespace, machine: str, result: Comparison) -> None:
     """JSON and a bar chart under results/."""
-    name = "engine_throughput_quick" if args.quick else "engine_throughput"
+    name = f"engine_throughput_{args.workload}"
     rates = result.rates()
     json_path = save_json(
         name,

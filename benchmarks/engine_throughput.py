@@ -1,6 +1,6 @@
 """Offline throughput: pdserve's continuous-batching engine vs transformers' static-batch generate.
 
-Same checkpoint, workload, process and thread count; greedy, EOS ignored; tokens must agree.
+Same checkpoint, workload, process and thread count; greedy, EOS ignored; float32 tokens agree.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from _common import (  # run as a script: python benchmarks/engine_throughput.py
@@ -44,22 +45,40 @@ class Workload:
     output_len: int
 
 
+# Named workloads; any flag given on the command line overrides its preset's value.
+# spread: prompts of many lengths, where continuous batching and the grouped decode attention
+# pay; decode: 32 equal short prompts and long outputs in bfloat16, a decode-bound batch.
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "spread": {"size": "small", "dtype": "float32", "num_requests": 32, "output_len": 128,
+               "min_prompt_len": 64, "max_prompt_len": 1024, "batch_size": 8},
+    "decode": {"size": "medium", "dtype": "bfloat16", "num_requests": 32, "output_len": 128,
+               "min_prompt_len": 40, "max_prompt_len": 40, "batch_size": 32},
+    "quick": {"size": "tiny", "dtype": "float32", "num_requests": 8, "output_len": 16,
+              "min_prompt_len": 16, "max_prompt_len": 128, "batch_size": 4},
+}
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--num-requests", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--min-prompt-len", type=int, default=64)
-    p.add_argument("--max-prompt-len", type=int, default=1024)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="spread",
+                   help="named preset (default spread); the flags below override its values")
+    p.add_argument("--num-requests", type=int)
+    p.add_argument("--output-len", type=int)
+    p.add_argument("--min-prompt-len", type=int)
+    p.add_argument("--max-prompt-len", type=int)
     p.add_argument("--threads", type=int, default=2, help="torch threads for both engines")
-    p.add_argument("--batch-size", type=int, default=8, help="transformers' static batch size")
+    p.add_argument("--batch-size", type=int, help="transformers' static batch size")
     p.add_argument("--seed", type=int, default=0, help="workload RNG seed")
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    p.add_argument("--size", default="small", choices=("tiny", "small"))
+    p.add_argument("--size", choices=("tiny", "medium", "small"))
+    p.add_argument("--dtype", choices=("float32", "bfloat16"))
     p.add_argument("--quick", action="store_true", help="tiny-model smoke run (< 1 min)")
     args = p.parse_args()
     if args.quick:
-        args.size, args.num_requests, args.output_len = "tiny", 8, 16
-        args.min_prompt_len, args.max_prompt_len, args.batch_size = 16, 128, 4
+        args.workload = "quick"
+    for name, value in WORKLOADS[args.workload].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     return args
 
 
@@ -72,18 +91,20 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     return Workload(prompts, args.output_len)
 
 
-def run_pdserve(path: Path, workload: Workload) -> tuple[Run, PhaseTally, list[list[int]]]:
+def run_pdserve(
+    path: Path, workload: Workload, dtype: str
+) -> tuple[Run, PhaseTally, list[list[int]]]:
     """Add every request, then step until all finish, timing each step (see PhaseTally)."""
     longest = max(map(len, workload.prompts)) + workload.output_len
     engine = LLMEngine(
-        EngineConfig(model_path=str(path), dtype="float32", device="cpu", max_model_len=longest)
+        EngineConfig(model_path=str(path), dtype=dtype, device="cpu", max_model_len=longest)
     )
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
     engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(workload.prompts))}
     for rid, prompt in zip(tokens, workload.prompts, strict=True):
         engine.add_request(rid, prompt, params)
-    tally, progress, watch = PhaseTally(), Progress("pdserve"), Stopwatch()
+    tally, progress, watch = PhaseTally(len(tokens)), Progress("pdserve"), Stopwatch()
     num_done = 0
     while engine.has_unfinished_requests():
         computed_before, step_started = engine.stats.num_tokens_computed, time.perf_counter()
@@ -104,12 +125,12 @@ def run_pdserve(path: Path, workload: Workload) -> tuple[Run, PhaseTally, list[l
 
 
 def run_transformers(
-    path: Path, workload: Workload, batch_size: int
+    path: Path, workload: Workload, batch_size: int, dtype: str
 ) -> tuple[Run, list[list[int]]]:
     """Static batches in arrival order, left-padded with an attention mask."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
     pad_id = model.generation_config.pad_token_id or 0
 
     def generate(ids: torch.Tensor, mask: torch.Tensor, num_new: int) -> torch.Tensor:
@@ -163,14 +184,14 @@ def main() -> None:
     offline()
     started = time.perf_counter()
     machine = set_threads(args.threads)
-    path = ensure_checkpoint(args.model_dir, "llama", args.size)
+    path = ensure_checkpoint(args.model_dir, "llama", args.size, dtype=args.dtype)
     from transformers import AutoConfig
 
     workload = make_workload(args, AutoConfig.from_pretrained(str(path)).vocab_size)
     print(f"pdserve: {len(workload.prompts)} requests, continuous batching ...", flush=True)
-    pd, tally, ours = run_pdserve(path, workload)
+    pd, tally, ours = run_pdserve(path, workload, args.dtype)
     print(f"transformers: static batches of {args.batch_size} ...", flush=True)
-    hf, theirs = run_transformers(path, workload, args.batch_size)
+    hf, theirs = run_transformers(path, workload, args.batch_size, args.dtype)
     result = Comparison(pd, tally, hf, check_parity(ours, theirs), len(workload.prompts))
     print(f"\n=== engine throughput ===\n{machine}")
     print_report(args, sum(map(len, workload.prompts)), result)

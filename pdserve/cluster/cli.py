@@ -14,12 +14,10 @@ from pathlib import Path
 
 
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
+    from pdserve.engine.checkpoint_maker import add_make_model_arguments
+
     p = sub.add_parser("make-model", help="write a random-weight HF checkpoint (offline)")
-    p.add_argument("out_dir", type=Path)
-    p.add_argument("--family", choices=["llama", "qwen2"], default="llama")
-    p.add_argument("--size", choices=["tiny", "small"], default="tiny")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    add_make_model_arguments(p)
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -67,14 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from pdserve.engine.checkpoint_maker import make_checkpoint
+    from pdserve.engine.checkpoint_maker import run_make_model as make_model
 
-    start = time.perf_counter()
-    path = make_checkpoint(args.out_dir, family=args.family, size=args.size, seed=args.seed,
-                           dtype=args.dtype)
-    elapsed = time.perf_counter() - start
-    print(f"wrote {args.family}/{args.size} checkpoint to {path} in {elapsed:.1f}s")
-    return 0
+    return make_model(args)
 
 
 def run_generate(args: argparse.Namespace) -> int:

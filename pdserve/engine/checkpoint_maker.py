@@ -9,8 +9,9 @@ import argparse
 import json
 import logging
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from pdserve.engine.tokenizer_maker import END_OF_TEXT, IM_END, SPECIAL_TOKENS, 
 logger = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "qwen2")
-SIZES = ("tiny", "small")
+SIZES = ("tiny", "medium", "small")
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,36 @@ class Shape:
     max_position_embeddings: int
     num_shards: int
 
+    def __post_init__(self) -> None:
+        sizes = {f.name: getattr(self, f.name) for f in fields(self)}
+        bad = [name for name, value in sizes.items() if value <= 0]
+        if bad:
+            raise ValueError(f"model shape: {', '.join(bad)} must be positive, got {sizes}")
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model shape: hidden_size ({self.hidden_size}) must divide into num_heads "
+                f"({self.num_heads}) heads, and num_heads into num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.vocab_size < MIN_VOCAB_SIZE:
+            raise ValueError(
+                f"model shape: vocab_size must be >= {MIN_VOCAB_SIZE} (the 256 byte tokens and "
+                f"{len(SPECIAL_TOKENS)} special ones), got {self.vocab_size}"
+            )
 
+
+# Byte-level BPE starts from 256 byte tokens, plus the special tokens.
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)
+
+# medium: the 32 M-parameter bf16 shape the serving and engine benchmarks share (intermediate
+# size 1,408 makes 31.8 M parameters with untied embeddings).
 SHAPES: dict[str, Shape] = {
     "tiny": Shape(1024, 64, 192, 3, 4, 2, 4096, num_shards=1),
+    "medium": Shape(8000, 512, 1408, 8, 8, 4, 4096, num_shards=1),
     "small": Shape(16384, 640, 1792, 10, 10, 2, 4096, num_shards=3),
 }
+# What `shape` may override in a preset (the command line's size flags).
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads")
 
 # llama3-style scaling with a short "original" context, so positions well inside the tiny
 # models' range already fall in the scaled/interpolated frequency bands.
@@ -75,20 +101,22 @@ def make_checkpoint(
     num_shards: int | None = None,
     rope_scaling: bool | None = None,
     tie_word_embeddings: bool = False,
+    shape: Mapping[str, int] | None = None,
 ) -> Path:
     """Write a complete checkpoint (config, weights, tokenizer) into `out_dir` and return it.
 
-    Same arguments -> byte-identical files. Defaults: tiny is one `model.safetensors`,
-    small is 3 shards with `model.safetensors.index.json`; llama uses llama3 rope scaling,
-    qwen2 plain RoPE; embeddings are untied unless asked, because random tied embeddings
-    make greedy decoding fall into long single-token runs.
+    Same arguments -> byte-identical files. ``shape`` overrides fields of the `size` preset
+    (any of `SHAPE_FIELDS`). Defaults: tiny and medium are one `model.safetensors`, small
+    is 3 shards with `model.safetensors.index.json`; llama uses llama3 rope scaling, qwen2
+    plain RoPE; embeddings are untied unless asked, because random tied embeddings make
+    greedy decoding fall into long single-token runs.
     """
     if family not in FAMILIES or size not in SIZES or dtype not in DTYPE_BY_NAME:
         raise ValueError(
             f"make_checkpoint: family must be in {FAMILIES}, size in {SIZES}, dtype in "
             f"{sorted(DTYPE_BY_NAME)}; got {family!r}, {size!r}, {dtype!r}"
         )
-    shape = SHAPES[size]
+    shape = preset_shape(size, shape or {})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     vocab_size = write_tokenizer(out, shape.vocab_size, shape.max_position_embeddings)
@@ -101,6 +129,14 @@ def make_checkpoint(
     _write_weights(out, tensors, num_shards or shape.num_shards)
     logger.info("wrote %s %s checkpoint (seed %d, %s) to %s", family, size, seed, dtype, out)
     return out
+
+
+def preset_shape(size: str, overrides: Mapping[str, int]) -> Shape:
+    """The `size` preset with some of its `SHAPE_FIELDS` replaced (validated)."""
+    unknown = sorted(set(overrides) - set(SHAPE_FIELDS))
+    if unknown:
+        raise ValueError(f"model shape: cannot override {unknown}; choose from {SHAPE_FIELDS}")
+    return replace(SHAPES[size], **overrides)
 
 
 def count_parameters(config: dict[str, Any]) -> int:
@@ -242,17 +278,43 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n", encoding="utf-8")
 
 
-def main_make_model(argv: Sequence[str] | None = None) -> int:
-    """`pdserve make-model`: generate a checkpoint from the command line."""
-    parser = argparse.ArgumentParser(prog="pdserve make-model", description=make_checkpoint.__doc__)
+def add_make_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `pdserve make-model`."""
     parser.add_argument("out_dir", type=Path, help="directory to write (created if missing)")
     parser.add_argument("--family", choices=FAMILIES, default="llama")
-    parser.add_argument("--size", choices=SIZES, default="tiny")
+    parser.add_argument("--size", choices=SIZES, default="tiny",
+                        help="preset shape: " + "; ".join(
+                            f"{name}: {_describe(shape)}" for name, shape in SHAPES.items()))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=sorted(DTYPE_BY_NAME), default="float32")
     parser.add_argument("--shards", type=int, default=None, help="number of safetensors shards")
-    args = parser.parse_args(argv)
-    path = make_checkpoint(args.out_dir, args.family, args.size, args.seed, args.dtype, args.shards)
+    for name in SHAPE_FIELDS:
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                            help="override the preset's value")
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    """Write the checkpoint `add_make_model_arguments`' options describe; print what it is."""
+    overrides = {name: getattr(args, name) for name in SHAPE_FIELDS
+                 if getattr(args, name) is not None}
+    started = time.perf_counter()
+    path = make_checkpoint(args.out_dir, args.family, args.size, args.seed, args.dtype,
+                           args.shards, shape=overrides)
     config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    print(f"wrote {path} ({count_parameters(config):,} parameters)")
+    print(f"wrote {args.family}/{args.size} checkpoint to {path} "
+          f"({count_parameters(config):,} parameters, {args.dtype}) in "
+          f"{time.perf_counter() - started:.1f}s")
     return 0
+
+
+def main_make_model(argv: Sequence[str] | None = None) -> int:
+    """`pdserve make-model` on its own: parse `argv`, write the checkpoint."""
+    parser = argparse.ArgumentParser(prog="pdserve make-model", description=make_checkpoint.__doc__)
+    add_make_model_arguments(parser)
+    return run_make_model(parser.parse_args(argv))
+
+
+def _describe(shape: Shape) -> str:
+    return (f"vocab {shape.vocab_size}, hidden {shape.hidden_size}, intermediate "
+            f"{shape.intermediate_size}, {shape.num_layers} layers, {shape.num_heads} heads / "
+            f"{shape.num_kv_heads} KV heads")

@@ -329,7 +329,8 @@ class LLMEngine:
         new_ids = request.output_token_ids[tracked.num_reported:]
         tracked.num_reported = len(request.output_token_ids)
         self.stats.num_generated_tokens += len(new_ids)
-        text = "".join(tracked.stream.add(t) for t in new_ids)
+        stream = tracked.stream
+        text = stream.add(new_ids[0]) if len(new_ids) == 1 else "".join(map(stream.add, new_ids))
         # A PREFILLED request's blocks are still being sent: the decode side applies the stop.
         if (tracked.stream.stopped and not request.status.is_finished
                 and request.status is not RequestStatus.PREFILLED):
@@ -356,25 +357,24 @@ class LLMEngine:
         self, request: Request, new_ids: list[int], text: str, finished: bool,
         logprobs: list[TokenLogprobs] | None = None,
     ) -> RequestOutput:
+        """``new_ids`` becomes the output's own list: callers pass a fresh one."""
         if request.status is RequestStatus.PREFILLED:
             reason: str | None = "prefilled"
         else:
             reason = request.finish_reason if finished else None
+        tracked = self._tracked.get(request.request_id)
+        queue_s = 0.0
+        if tracked is not None and tracked.first_scheduled_at is not None:
+            queue_s = tracked.first_scheduled_at - tracked.added_at
         return RequestOutput(
             request_id=request.request_id,
-            new_token_ids=list(new_ids),
+            new_token_ids=new_ids,
             new_text=text,
             finished=finished,
             finish_reason=reason,
-            num_prompt_tokens=request.num_prompt_tokens,
+            num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
             logprobs=logprobs or [],
-            queue_s=self._queue_s(request.request_id),
+            queue_s=queue_s,
         )
-
-    def _queue_s(self, request_id: str) -> float:
-        tracked = self._tracked.get(request_id)
-        if tracked is None or tracked.first_scheduled_at is None:
-            return 0.0
-        return tracked.first_scheduled_at - tracked.added_at

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, TokenLogprobs
 from pdserve.engine.scheduler import SchedulerOutput
 
@@ -31,7 +32,7 @@ class BatchInputs:
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     sample_rows: torch.Tensor  # index into the flattened tokens of each sampling chunk's last token
-    sample_request_ids: list[str]
+    sample_requests: list[Request]
 
 
 class ModelRunner:
@@ -55,18 +56,22 @@ class ModelRunner:
         seq_lens: list[int] = []
         block_tables: list[list[int]] = []
         sample_rows: list[int] = []
-        sample_request_ids: list[str] = []
+        sample_requests: list[Request] = []
         for chunk in output.chunks:
             request = chunk.request
-            start, end = chunk.start_position, chunk.start_position + chunk.num_new_tokens
-            token_ids.extend(request.token_ids_slice(start, end))
-            positions.extend(range(start, end))
-            query_lens.append(chunk.num_new_tokens)
+            start, end = chunk.start_position, chunk.end_position
+            if end - start == 1:  # a decode row: no list slices for one token
+                token_ids.append(request.token_id(start))
+                positions.append(start)
+            else:
+                token_ids.extend(request.token_ids_slice(start, end))
+                positions.extend(range(start, end))
+            query_lens.append(end - start)
             seq_lens.append(end)
             block_tables.append(block_ids_of(request.request_id))
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
-                sample_request_ids.append(request.request_id)
+                sample_requests.append(request)
         metadata = AttentionMetadata.build(
             query_lens, seq_lens, block_tables, self.block_size, self.device
         )
@@ -75,7 +80,7 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             attn_metadata=metadata,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-            sample_request_ids=sample_request_ids,
+            sample_requests=sample_requests,
         )
 
     @torch.inference_mode()
@@ -90,18 +95,21 @@ class ModelRunner:
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache, batch.attn_metadata, layer_hook
         )
-        if not batch.sample_request_ids:
-            return StepResult({}, {}, int(batch.input_ids.numel()))
-        logits = self.model.compute_logits(hidden.index_select(0, batch.sample_rows))
-        requests = {c.request.request_id: c.request for c in output.chunks}
-        ids = batch.sample_request_ids
+        num_computed = len(batch.attn_metadata.slot_mapping)
+        requests = batch.sample_requests
+        if not requests:
+            return StepResult({}, {}, num_computed)
+        if len(requests) < hidden.shape[0]:
+            hidden = hidden.index_select(0, batch.sample_rows)
+        logits = self.model.compute_logits(hidden)
         sampled = self.sampler.sample(
-            logits, [requests[i].sampling_params for i in ids], [generators.get(i) for i in ids],
-            [requests[i].output_token_ids for i in ids],
+            logits,
+            [r.sampling_params for r in requests],
+            [generators.get(r.request_id) for r in requests],
+            [r.output_token_ids for r in requests],
         )
+        ids = [r.request_id for r in requests]
         logprobs = (
             dict(zip(ids, sampled.logprobs, strict=True)) if sampled.logprobs is not None else {}
         )
-        return StepResult(
-            dict(zip(ids, sampled.token_ids, strict=True)), logprobs, int(batch.input_ids.numel())
-        )
+        return StepResult(dict(zip(ids, sampled.token_ids, strict=True)), logprobs, num_computed)

@@ -98,6 +98,13 @@ class Request:
         """Prompt then output, as a new list (O(n): hot paths use `token_ids_slice`)."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_id(self, position: int) -> int:
+        """Token ``position`` of prompt+output."""
+        num_prompt = len(self.prompt_token_ids)
+        if position < num_prompt:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - num_prompt]
+
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt+output without building the whole list."""
         num_prompt = len(self.prompt_token_ids)

@@ -56,6 +56,8 @@ class Sampler:
                 f"sample: logits {tuple(logits.shape)} needs one row per params "
                 f"({len(params)}) and generator ({len(generators)})"
             )
+        if all(p.is_plain_greedy for p in params):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
         raw = logits = logits.float()
         adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
         if adjusted:

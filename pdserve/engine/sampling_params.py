@@ -133,3 +133,8 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing else to compute: the token is the raw logits' argmax."""
+        return self.temperature == 0.0 and self.logprobs is None and not self.adjusts_logits

@@ -10,12 +10,19 @@ import bisect
 import itertools
 import logging
 from collections import deque
+from collections.abc import Iterable, Sequence
 
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.request_checks import check_new_request, stop_status
-from pdserve.engine.scheduler_output import ScheduledChunk, SchedulerConfig, SchedulerOutput
+from pdserve.engine.scheduler_integrity import check_scheduler_integrity
+from pdserve.engine.scheduler_output import (
+    ScheduledChunk,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepPlan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class Scheduler:
         self._num_awaiting_kv = 0
         self._order: dict[str, tuple[float, int]] = {}  # (arrival_time, registration number)
         self._registrations = itertools.count()
+        self._head_blocked = False  # the first waiting request found no seat or blocks
         # Cumulative, for metrics: preemptions; tokens of admissions and how many of those
         # came from the prefix cache (hit rate = hit / admitted).
         self.num_preemptions_total = 0
@@ -110,7 +118,7 @@ class Scheduler:
                 "FROM_RECEIVED_KV requests reserve blocks for received KV"
             )
         check_new_request(request, self.config, self.kv, self._requests)
-        if self._num_seated >= self.config.max_num_seqs:
+        if self.num_seated >= self.config.max_num_seqs:
             return None
         cached_ids, num_cached = self.kv.find_cached_prefix(request)
         block_ids = self.kv.allocate_slots(request, request.num_prompt_tokens - num_cached,
@@ -146,23 +154,28 @@ class Scheduler:
             self._finish(request, status)
             return
         request.status = RequestStatus.RUNNING
-        bisect.insort(self._running, request, key=self._age)
+        bisect.insort(self._running, request, key=self.age)
 
     # ---- the step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first (oldest first), then waiting ones FCFS."""
-        chunks: list[ScheduledChunk] = []
-        preempted_ids: list[str] = []
-        budget = self._schedule_running(self.config.max_num_batched_tokens, chunks, preempted_ids)
+        """Plan one step. No request waits behind another's prompt chunks for long:
+
+        1. every running request one token behind (decoding) gets it, oldest first;
+        2. waiting prompts that fit whole into what is left join, first come first served,
+           keeping half of it for step 3 while a running prompt is mid-prefill;
+        3. each running prompt mid-prefill gets its next chunk, oldest first;
+        4. more waiting prompts join, first come first served, the last one chunked.
+        """
+        plan = StepPlan(self.config.max_num_batched_tokens)
+        mid_prefill = self._schedule_decodes(plan)
         # After a preemption the cache is full: admitting more would only thrash.
-        if not preempted_ids:
-            budget = self._schedule_waiting(budget, chunks)
-        return SchedulerOutput(
-            chunks=chunks,
-            num_batched_tokens=self.config.max_num_batched_tokens - budget,
-            preempted_request_ids=preempted_ids,
-        )
+        if not plan.preempted_ids:
+            self._admit_whole(plan, plan.budget - plan.budget // 2 if mid_prefill else plan.budget)
+        self._schedule_chunks(plan, mid_prefill)
+        if not plan.preempted_ids:
+            self._schedule_waiting(plan)
+        return plan.output(self.config.max_num_batched_tokens)
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
@@ -234,52 +247,33 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless request states and block ownership agree."""
-        self.kv.check_integrity()
-        bs = self.kv.block_size
-        for request in self._waiting:
-            assert request.status is RequestStatus.WAITING, (
-                f"{request.request_id} waits as {request.status}"
-            )
-            assert not self.kv.block_ids(request.request_id), (
-                f"waiting {request.request_id} owns blocks"
-            )
-        for request in self._running:
-            assert request.status is RequestStatus.RUNNING, (
-                f"{request.request_id} runs as {request.status}"
-            )
-            num_blocks = len(self.kv.block_ids(request.request_id))
-            assert num_blocks * bs >= request.num_computed_tokens, (
-                f"running {request.request_id}: {num_blocks} blocks cannot hold "
-                f"{request.num_computed_tokens} computed tokens"
-            )
-            assert request.num_computed_tokens < request.num_tokens, (
-                f"running {request.request_id} has no token left to compute"
-            )
-        keys = [self._age(r) for r in self._running]
-        assert keys == sorted(keys), "running requests are not ordered by arrival"
-        pinned = [r for r in self._requests.values() if r.status in _PINNED]
-        assert len(pinned) == self.num_prefilled + self._num_awaiting_kv, (
-            "pinned request count drifted"
-        )
-        for request in pinned:
-            num_blocks = len(self.kv.block_ids(request.request_id))
-            assert num_blocks == self.kv.num_blocks_for(request.num_prompt_tokens), (
-                f"{request.status.name} {request.request_id} holds {num_blocks} blocks for "
-                f"{request.num_prompt_tokens} prompt tokens"
-            )
-        assert all(not r.is_finished for r in self._requests.values()), "a finished request is live"
-        assert self._num_seated <= self.config.max_num_seqs, (
-            "more seated requests than max_num_seqs"
-        )
-
-    # ---- internals -----------------------------------------------------------------------
+        check_scheduler_integrity(self)
 
     @property
-    def _num_seated(self) -> int:
+    def waiting_requests(self) -> Sequence[Request]:
+        """WAITING requests in admission order (read only)."""
+        return self._waiting
+
+    @property
+    def running_requests(self) -> Sequence[Request]:
+        """RUNNING requests, oldest first (read only)."""
+        return self._running
+
+    @property
+    def live_requests(self) -> Iterable[Request]:
+        """Every live request, any status (read only)."""
+        return self._requests.values()
+
+    @property
+    def num_seated(self) -> int:
+        """Requests holding a batch seat: RUNNING and AWAITING_KV ones."""
         return len(self._running) + self._num_awaiting_kv
 
-    def _age(self, request: Request) -> tuple[float, int]:
+    def age(self, request: Request) -> tuple[float, int]:
+        """Sort key: arrival time, then registration order."""
         return self._order[request.request_id]
+
+    # ---- internals -----------------------------------------------------------------------
 
     def _register(self, request: Request) -> None:
         self._requests[request.request_id] = request
@@ -306,44 +300,93 @@ class Scheduler:
             samples=start + num_new_tokens == request.num_tokens,
         )
 
-    def _schedule_running(
-        self, budget: int, chunks: list[ScheduledChunk], preempted_ids: list[str]
-    ) -> int:
+    def _schedule_decodes(self, plan: StepPlan) -> list[Request]:
+        """Step 1; returns the running requests mid-prefill, oldest first, for step 3."""
+        mid_prefill: list[Request] = []
         i = 0
-        while i < len(self._running) and budget > 0:
+        while i < len(self._running) and plan.budget > 0:
             request = self._running[i]
-            num_new = self._chunk_size(request, request.num_computed_tokens, budget)
-            while self.kv.allocate_slots(request, num_new) is None:
-                # The youngest running request is never one already planned this step: the
-                # list is oldest first and planned ones sit before index i.
-                victim = self._running.pop()
-                self._preempt(victim)
-                preempted_ids.append(victim.request_id)
-                if victim is request:
-                    return budget
-            chunks.append(self._make_chunk(request, num_new))
-            budget -= num_new
+            if request.num_tokens - request.num_computed_tokens > 1:
+                mid_prefill.append(request)
+            elif self._allocate(plan, request, 1):
+                plan.add(self._make_chunk(request, 1))
+            else:
+                return mid_prefill  # preempted itself: every younger request is gone too
             i += 1
-        return budget
+        return mid_prefill
 
-    def _schedule_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
-        while self._waiting and budget > 0 and self._num_seated < self.config.max_num_seqs:
+    def _schedule_chunks(self, plan: StepPlan, mid_prefill: list[Request]) -> None:
+        """Step 3."""
+        for request in mid_prefill:
+            if plan.budget <= 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted meanwhile
+            num_new = self._chunk_size(request, request.num_computed_tokens, plan.budget)
+            if self._allocate(plan, request, num_new):
+                plan.add(self._make_chunk(request, num_new))
+
+    def _allocate(self, plan: StepPlan, request: Request, num_new: int) -> bool:
+        """Blocks for ``num_new`` more tokens of a running request, preempting the youngest
+        running requests not planned this step until they fit; False if that was itself."""
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = next(r for r in reversed(self._running) if r.request_id not in plan.planned)
+            self._running.remove(victim)
+            self._preempt(victim)
+            plan.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_whole(self, plan: StepPlan, limit: int) -> None:
+        """Step 2: waiting prompts whose uncomputed tokens fit whole into ``limit`` join, FCFS,
+        passing over longer ones (they keep their place for step 4)."""
+        if self._head_blocked:
+            return  # the head's turn: the blocks or seats these would take, it needs
+        cap = self.config.long_prefill_token_threshold or limit
+        i = 0
+        while i < len(self._waiting) and limit > 0 and self.num_seated < self.config.max_num_seqs:
+            request = self._waiting[i]
+            cached_ids, num_cached = self.kv.find_cached_prefix(request)
+            num_new = request.num_tokens - num_cached
+            if num_new > min(limit, cap):
+                i += 1  # long: it waits for step 4
+                continue
+            if not self._admit(plan, request, num_new, cached_ids, num_cached):
+                return
+            del self._waiting[i]
+            limit -= num_new
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Step 4: waiting requests join FCFS, the last one with the chunk that fits."""
+        # Strict FCFS on resources: while the head finds no seat or blocks, later requests
+        # do not overtake it, not even in step 2.
+        self._head_blocked = False
+        while self._waiting and plan.budget > 0:
             request = self._waiting[0]
             cached_ids, num_cached = self.kv.find_cached_prefix(request)
-            num_new = self._chunk_size(request, num_cached, budget)
-            if self.kv.allocate_slots(request, num_new, cached_ids) is None:
-                break  # strict FCFS: later requests do not overtake the head
+            num_new = self._chunk_size(request, num_cached, plan.budget)
+            if (self.num_seated >= self.config.max_num_seqs
+                    or not self._admit(plan, request, num_new, cached_ids, num_cached)):
+                self._head_blocked = True
+                return
             self._waiting.popleft()
-            request.num_computed_tokens = num_cached
-            self.num_admitted_tokens += request.num_tokens
-            self.num_prefix_hit_tokens += num_cached
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self._running, request, key=self._age)
-            chunks.append(self._make_chunk(request, num_new))
-            budget -= num_new
-        return budget
+
+    def _admit(self, plan: StepPlan, request: Request, num_new: int, cached_ids: list[int],
+               num_cached: int) -> bool:
+        """Start a waiting request with a chunk of ``num_new`` tokens (the caller dequeues it);
+        False when its blocks do not fit (nothing changed)."""
+        if self.kv.allocate_slots(request, num_new, cached_ids) is None:
+            return False
+        request.num_computed_tokens = num_cached
+        self.num_admitted_tokens += request.num_tokens
+        self.num_prefix_hit_tokens += num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=self.age)
+        plan.add(self._make_chunk(request, num_new))
+        return True
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -367,6 +410,3 @@ class Scheduler:
         status = stop_status(request, token_id, self.config.max_model_len)
         if status is not None:
             self._finish(request, status)
-
-
-_PINNED: frozenset[RequestStatus] = frozenset({RequestStatus.PREFILLED, RequestStatus.AWAITING_KV})

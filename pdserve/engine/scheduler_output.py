@@ -1,11 +1,11 @@
 """The scheduler's configuration and the per-step plan it hands to the model runner.
 
-Plain frozen records; no behaviour beyond validation and small derived values.
+Frozen records with validation and small derived values, and the builder of one step's plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.request import Request
 
@@ -74,3 +74,25 @@ class SchedulerOutput:
     @property
     def num_sampling(self) -> int:
         return sum(1 for chunk in self.chunks if chunk.samples)
+
+
+@dataclass
+class StepPlan:
+    """A step's plan while the scheduler builds it; `output` freezes it."""
+
+    budget: int  # tokens still to hand out
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    planned: set[str] = field(default_factory=set)  # ids of the requests with a chunk
+    preempted_ids: list[str] = field(default_factory=list)
+
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.planned.add(chunk.request.request_id)
+        self.budget -= chunk.num_new_tokens
+
+    def output(self, max_num_batched_tokens: int) -> SchedulerOutput:
+        return SchedulerOutput(
+            chunks=self.chunks,
+            num_batched_tokens=max_num_batched_tokens - self.budget,
+            preempted_request_ids=self.preempted_ids,
+        )

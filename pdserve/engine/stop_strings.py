@@ -28,18 +28,19 @@ class TextStream:
         """Feed one token; return the text that is now safe to show."""
         if self.stopped:
             return ""
-        self.detokenizer.add(token_id)
+        piece = self.detokenizer.add(token_id)
+        if not self.stop:  # nothing to hold back: every completed piece is shown at once
+            self.emitted += len(piece)
+            return piece
         text = self.detokenizer.text
-        if self.stop:
-            # A stop string can straddle earlier text: search from where it could start.
-            search_from = max(0, self.emitted - max(len(s) for s in self.stop) + 1)
-            hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
-            if hits:
-                self.stopped = True
-                self.final_text = text[: min(hits)]
-                return self._emit_upto(len(self.final_text))
-            return self._emit_upto(len(text) - self._held_back(text))
-        return self._emit_upto(len(text))
+        # A stop string can straddle earlier text: search from where it could start.
+        search_from = max(0, self.emitted - max(len(s) for s in self.stop) + 1)
+        hits = [i for i in (text.find(s, search_from) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            self.final_text = text[: min(hits)]
+            return self._emit_upto(len(self.final_text))
+        return self._emit_upto(len(text) - self._held_back(text))
 
     def flush(self) -> str:
         """The request finished for another reason: release what was held back."""

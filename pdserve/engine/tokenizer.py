@@ -273,12 +273,12 @@ class IncrementalDetokenizer:
         self._window_start = 0  # index into _ids where the decoded window begins
         self._emitted = 0  # characters of the window's text already emitted
         self._last_boundary = 0  # latest index where all bytes so far formed whole characters
-        self._pieces: list[str] = []
+        self._text = ""
 
     @property
     def text(self) -> str:
         """Everything emitted so far."""
-        return "".join(self._pieces)
+        return self._text
 
     @property
     def token_ids(self) -> list[int]:
@@ -301,8 +301,7 @@ class IncrementalDetokenizer:
                 self._window_start = self._last_boundary
                 self._emitted = len(self._decode_window())
             self._last_boundary = len(self._ids)
-        if piece:
-            self._pieces.append(piece)
+        self._text += piece
         return piece
 
     def flush(self) -> str:
@@ -310,6 +309,5 @@ class IncrementalDetokenizer:
         window_text = self._decode_window()
         piece = window_text[self._emitted :]
         self._emitted = len(window_text)
-        if piece:
-            self._pieces.append(piece)
+        self._text += piece
         return piece

@@ -126,3 +126,39 @@ def test_small_checkpoint(tmp_path: Path) -> None:
     model, _ = load_model(path, torch.float32)
     assert sum(p.numel() for p in model.parameters()) == count_parameters(config)
     assert elapsed < 30.0, f"small checkpoint took {elapsed:.1f}s"
+
+
+def test_medium_preset_is_the_32m_bf16_llama_transformers_loads(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path / "medium"
+    assert main_make_model([str(path), "--size", "medium", "--dtype", "bfloat16"]) == 0
+    config = json.loads((path / "config.json").read_text())
+    shape = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                    "num_hidden_layers", "num_attention_heads",
+                                    "num_key_value_heads")}
+    assert shape == {"vocab_size": 8000, "hidden_size": 512, "intermediate_size": 1408,
+                     "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4}
+    assert 31_000_000 <= count_parameters(config) <= 33_000_000
+    assert AutoTokenizer.from_pretrained(path).vocab_size == 8000
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert sum(p.numel() for p in reference.parameters()) == count_parameters(config)
+    ours, ours_config = load_model(path, torch.bfloat16)
+    assert next(ours.parameters()).dtype == torch.bfloat16 and ours_config.vocab_size == 8000
+
+
+def test_size_flags_override_the_preset_and_bad_shapes_are_refused(tmp_path: Path) -> None:
+    flags = ["--hidden-size", "96", "--num-layers", "2", "--num-heads", "6", "--num-kv-heads",
+             "3", "--intermediate-size", "160", "--vocab-size", "600"]
+    assert main_make_model([str(tmp_path / "m"), *flags]) == 0
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["intermediate_size"], config["head_dim"],
+            config["vocab_size"]) == (96, 2, 6, 3, 160, 16, 600)
+    load_model(tmp_path / "m", torch.float32)
+    with pytest.raises(ValueError, match="num_heads"):
+        make_checkpoint(tmp_path / "bad", "llama", "tiny", shape={"num_kv_heads": 3})
+    with pytest.raises(ValueError, match="vocab_size must be >= 259"):
+        make_checkpoint(tmp_path / "bad", "llama", "tiny", shape={"vocab_size": 100})
+    with pytest.raises(ValueError, match="cannot override"):
+        make_checkpoint(tmp_path / "bad", "llama", "tiny", shape={"max_position_embeddings": 8})

@@ -178,6 +178,32 @@ def test_decode_batch_matches_one_by_one(models, prompts) -> None:
         assert torch.allclose(batched[s], alone, atol=TOLERANCE, rtol=0)
 
 
+def test_decode_rows_in_several_length_groups_match_one_by_one(
+    models, prompts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of interleaved lengths split into groups (no cost per group), next to a prefill
+    chunk: each row still gets what it gets alone."""
+    from pdserve.engine.attention import torch_backend
+
+    monkeypatch.setattr(torch_backend, "_GROUP_COST_BLOCKS", 0)
+    model, block_size = models[0], 4
+    order = [3, 1, 2, 0]  # long, short, middle, shortest: every group is out of batch order
+    tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=11)
+    cache = garbage_cache(model, num_blocks, block_size)
+    run_step(model, cache, prompts, [(s, 0, n - 1) for s, n in enumerate(LENGTHS) if n > 1],
+             tables, block_size)
+    decodes = [(s, LENGTHS[s] - 1, LENGTHS[s]) for s in order if LENGTHS[s] > 1]
+    plan = model.attention_backend.prepare(
+        AttentionMetadata.build([1] * len(decodes), [stop for _, _, stop in decodes],
+                                [tables[s] for s, _, _ in decodes], block_size, "cpu"),
+        block_size, model.config.num_kv_heads, torch.float32)
+    assert len(plan.decode_groups) == len(decodes)
+    batched = run_step(model, cache, prompts, decodes + [(0, 0, 1)], tables, block_size)
+    for (s, start, stop), got in zip(decodes + [(0, 0, 1)], batched, strict=True):
+        alone = run_step(model, cache, prompts, [(s, start, stop)], tables, block_size)[0]
+        assert torch.allclose(got, alone, atol=TOLERANCE, rtol=0), f"sequence {s}"
+
+
 def test_layer_hook_fires_after_each_layers_kv_write(models, prompts) -> None:
     model, block_size = models[0], 16
     lengths = [33, 7]

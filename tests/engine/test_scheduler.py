@@ -364,3 +364,85 @@ def test_waiting_queue_is_first_come_first_served() -> None:
     output, _ = step(sched, runner)
     assert [c.request.request_id for c in output.chunks] == ["hog"]
     assert sched.num_waiting == 2
+
+
+def _chunk_sizes(output: Any) -> dict[str, int]:
+    return {c.request.request_id: c.num_new_tokens for c in output.chunks}
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_prompts_chunks() -> None:
+    sched, runner = make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=32,
+                                   max_model_len=512)
+    long = make_request("long", range(100, 300), max_tokens=2)  # 200 tokens: 7 chunks of 32
+    sched.add_request(long)
+    first, _ = step(sched, runner)
+    assert _chunk_sizes(first) == {"long": 32}
+    short = make_request("short", range(10), max_tokens=20)
+    sched.add_request(short)  # arrives one step after the long one
+    sizes: list[dict[str, int]] = []
+    while long.num_output_tokens == 0:
+        output, _ = step(sched, runner)
+        sizes.append(_chunk_sizes(output))
+        # The long prompt keeps at least half of every step's budget.
+        assert sizes[-1]["long"] >= 16, sizes
+    # The short prompt's prefill completed in the first step after its arrival, whole, and
+    # it decoded in every later step while the long prompt's chunks ran.
+    assert sizes[0]["short"] == 10 and short.num_output_tokens == len(sizes)
+    assert all(s["short"] == 1 for s in sizes[1:])
+    assert sum(s["long"] for s in sizes) == 200 - 32
+    run_to_completion(sched, runner, [])
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+
+
+def test_short_prompts_pass_a_waiting_long_one_but_long_ones_keep_their_order() -> None:
+    sched, runner = make_scheduler(num_blocks=256, block_size=4, max_num_batched_tokens=32,
+                                   max_model_len=512)
+    first = make_request("first", range(100, 200), max_tokens=1)
+    second = make_request("second", range(200, 300), max_tokens=1)
+    short = make_request("short", range(5), max_tokens=1)
+    sched.add_request(first)
+    step(sched, runner)
+    sched.add_request(second)
+    sched.add_request(short)  # behind a waiting long prompt, while another one is mid-prefill
+    output, _ = step(sched, runner)
+    assert _chunk_sizes(output) == {"short": 5, "first": 27}
+    assert short.is_finished and second.status is RequestStatus.WAITING
+    admitted: list[str] = []
+    while sched.has_unfinished_requests:
+        output, _ = step(sched, runner)
+        admitted += [c.request.request_id for c in output.chunks
+                     if c.start_position == 0 and c.request.request_id not in admitted]
+        if second.num_computed_tokens:
+            assert first.num_output_tokens == 1  # the second long one started after the first
+    assert admitted == ["second"]
+
+
+def test_decodes_are_never_held_back_by_a_prompt_chunk() -> None:
+    sched, runner = make_scheduler(num_blocks=128, block_size=4, max_num_batched_tokens=16,
+                                   max_model_len=512)
+    long = make_request("long", range(100, 200), max_tokens=1, arrival_time=1.0)
+    young = make_request("young", range(5), max_tokens=12, arrival_time=2.0)
+    sched.add_request(young)
+    step(sched, runner)  # young decodes from here on
+    sched.add_request(long)  # older, so first in the running order, and no chunk cap
+    while not long.is_finished:
+        output, _ = step(sched, runner)
+        assert _chunk_sizes(output)["young"] == 1
+        assert output.num_batched_tokens == 16 or long.num_output_tokens
+
+
+def test_while_the_first_waiting_request_finds_no_blocks_nothing_overtakes_it() -> None:
+    sched, runner = make_scheduler(num_blocks=10, block_size=4, max_num_batched_tokens=64,
+                                   max_model_len=64)
+    hog = make_request("hog", range(28), max_tokens=8)  # 7 blocks, 8 when it decodes
+    sched.add_request(hog)
+    step(sched, runner)
+    big = make_request("big", range(100, 116), max_tokens=1)  # 4 blocks: not before hog ends
+    small = make_request("small", [200, 201], max_tokens=1)  # 1 block would fit
+    sched.add_request(big)
+    sched.add_request(small)
+    order: list[str] = []
+    while sched.has_unfinished_requests:
+        output, _ = step(sched, runner)
+        order += [c.request.request_id for c in output.chunks if c.start_position == 0]
+    assert order == ["big", "small"] and hog.num_output_tokens == 8

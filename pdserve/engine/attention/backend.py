@@ -24,7 +24,9 @@ class AttentionBackend(ABC):
     name: str = "abstract"
 
     @abstractmethod
-    def prepare(self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype) -> Any:
+    def prepare(
+        self, metadata: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype
+    ) -> Any:
         """Per-step plan for queries of `dtype`, computed once and handed to `attend` per layer."""
 
     def write_kv(
@@ -50,6 +52,9 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """Causal attention of `query` ``[T, heads, head_dim]`` over each sequence's cached context.
+
+        `query` may be a strided view (its last dimension contiguous), as sliced out of the
+        fused q/k/v projection.
 
         The new tokens' K/V must already be in `layer_cache`. Returns ``[T, heads, head_dim]``.
         """

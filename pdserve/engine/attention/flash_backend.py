@@ -40,7 +40,7 @@ class FlashAttentionBackend(AttentionBackend):
         )
 
     def prepare(
-        self, metadata: AttentionMetadata, block_size: int, dtype: torch.dtype
+        self, metadata: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype
     ) -> FlashAttentionPlan:
         device = metadata.seq_lens_tensor.device
         cu_seqlens_k = torch.zeros(metadata.num_seqs + 1, dtype=torch.int32, device=device)
@@ -57,6 +57,7 @@ class FlashAttentionBackend(AttentionBackend):
         plan: FlashAttentionPlan,
         scale: float,
     ) -> torch.Tensor:
+        query = query.contiguous()  # flash-attn's varlen kernels take dense rows
         common: dict[str, Any] = {
             "cu_seqlens_q": metadata.query_start_loc,
             "cu_seqlens_k": plan.cu_seqlens_k,

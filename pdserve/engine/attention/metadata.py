@@ -5,6 +5,7 @@ Built once per forward step by the model runner; read by every layer's attention
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -48,34 +49,49 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
-        """Derive the tensors from per-sequence lengths and block ids (vectorised)."""
+        """Derive the tensors from per-sequence lengths and block ids.
+
+        Plain Python, then one tensor per field: at decode batch sizes the few hundred list
+        operations cost less than the index arithmetic as tensor ops (a thread-pool round
+        trip each on CPU).
+        """
         _validate(query_lens, seq_lens, block_tables, block_size)
-        num_seqs = len(query_lens)
         max_blocks = max(len(row) for row in block_tables)
-        table = torch.tensor(
-            [row + [BLOCK_TABLE_PAD] * (max_blocks - len(row)) for row in block_tables],
-            dtype=torch.int64,
-        )
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
-        starts = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=starts[1:])
-        num_tokens = int(starts[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-        offset_in_query = torch.arange(num_tokens) - starts[seq_of_token]
-        positions = (s_lens - q_lens)[seq_of_token] + offset_in_query
-        blocks = table[seq_of_token, positions // block_size]
-        slots = blocks * block_size + positions % block_size
+        starts = [0, *itertools.accumulate(query_lens)]
         return cls(
             query_lens=list(query_lens),
             seq_lens=list(seq_lens),
-            query_start_loc=starts.to(torch.int32).to(device),
-            seq_lens_tensor=s_lens.to(torch.int32).to(device),
-            block_tables=table.to(torch.int32).to(device),
-            slot_mapping=slots.to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(
+                [row + [BLOCK_TABLE_PAD] * (max_blocks - len(row)) for row in block_tables],
+                dtype=torch.int32,
+                device=device,
+            ),
+            slot_mapping=torch.tensor(
+                _slots(query_lens, seq_lens, block_tables, block_size),
+                dtype=torch.int64,
+                device=device,
+            ),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
+
+
+def _slots(
+    query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> list[int]:
+    """The cache slot of every new token: one range per block a chunk touches."""
+    slots: list[int] = []
+    for q_len, seq_len, row in zip(query_lens, seq_lens, block_tables, strict=True):
+        position = seq_len - q_len
+        while position < seq_len:
+            block, offset = divmod(position, block_size)
+            stop = min(seq_len, position - offset + block_size)
+            first = row[block] * block_size + offset
+            slots.extend(range(first, first + stop - position))
+            position = stop
+    return slots
 
 
 def _validate(

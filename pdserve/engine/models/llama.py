@@ -50,15 +50,16 @@ class Attention(nn.Module):
         layer_hook: LayerHook | None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), *rope)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), *rope)
-        backend.write_kv(
-            layer_cache, k, v.view(num_tokens, self.num_kv_heads, self.head_dim), metadata
-        )
+        qkv = self.qkv_proj(hidden)
+        # q and k heads side by side, rotated by one set of ops (the same values as apart).
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        backend.write_kv(layer_cache, k, v, metadata)
         if layer_hook is not None:
             layer_hook(self.layer_index)
-        out = backend.attend(q.contiguous(), layer_cache, metadata, plan, self.scale)
+        out = backend.attend(q, layer_cache, metadata, plan, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -124,7 +125,9 @@ class CausalLM(nn.Module):
         """
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, hidden.dtype)
-        plan = self.attention_backend.prepare(attn_metadata, kv_cache.shape[3], hidden.dtype)
+        plan = self.attention_backend.prepare(
+            attn_metadata, kv_cache.shape[3], kv_cache.shape[4], hidden.dtype
+        )
         for i, layer in enumerate(self.layers):
             hidden = layer(
                 hidden, rope, kv_cache[i], self.attention_backend, attn_metadata, plan, layer_hook

@@ -56,14 +56,22 @@ class RotaryEmbedding:
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, head_dim] cos and sin of int64 `positions` [T]: float32 math, cast to `dtype`."""
+        """[T, 1, head_dim] cos and sin of int64 `positions` [T]: float32 math, cast to `dtype`.
+
+        The sin table's first half is negated, the form `apply_rotary` takes.
+        """
         freqs = positions.float()[:, None] * self._inv_freq(positions.device)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        sin = angles.sin()
+        sin[:, : sin.shape[1] // 2].neg_()
+        return angles.cos().to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x` [T, heads, head_dim] by the [T, head_dim] tables (rotate-half pairing)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` [T, heads, head_dim] by the tables of `RotaryEmbedding.cos_sin`.
+
+    HF's rotate-half, ``x * cos + cat(-x2, x1) * sin``, with the minus moved into the table:
+    ``roll(x) * signed_sin`` has the same products, exactly, in one op fewer.
+    """
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)
+    return (x * cos).add_(rolled.mul_(signed_sin))
