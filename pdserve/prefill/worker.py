@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode, RequestStatus
@@ -44,6 +45,7 @@ class PrefillWorker:
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig) -> None:
         configure_logging()
+        self.cpu_claim = apply_cpu_settings(engine_config, "prefill")  # before any engine thread
         self.transport = HandoffTransport(handoff_config).start()
         try:
             self.engine = LLMEngine(engine_config, host_memory=self._shared_memory)
