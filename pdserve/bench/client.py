@@ -1,5 +1,7 @@
 """The load client's one request: stream a completion from an OpenAI-compatible server and
 time every chunk; an error status, an error event or a broken stream is a failed record.
+The first chunk that carries a choice marks the first token (a token holding part of a
+character may come without text); inter-token gaps are between chunks that carry text.
 
 pdserve's per-request stage timings come back when the body asks ``"pdserve_timings": true``:
 a ``pdserve_timings`` list (one object per choice) on a chunk of its own before ``[DONE]``.
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -68,7 +70,8 @@ class _Failed(Exception):
 
 @dataclass
 class _Stream:
-    chunk_times: list[float] = field(default_factory=list)
+    first_choice_at: float | None = None  # the first chunk with a choice: the first token
+    chunk_times: list[float] = field(default_factory=list)  # chunks that carried text
     prompt_tokens: int | None = None
     output_tokens: int | None = None
     timings: tuple[Mapping[str, Any], ...] = ()
@@ -83,7 +86,10 @@ class _Stream:
             self.output_tokens = int(event["usage"].get("completion_tokens", 0))
         if isinstance(event.get("pdserve_timings"), list):
             self.timings = tuple(event["pdserve_timings"])
-        if any(_choice_text(c) for c in event.get("choices") or ()):
+        choices = event.get("choices") or ()
+        if choices and self.first_choice_at is None:
+            self.first_choice_at = at
+        if any(_choice_text(c) for c in choices):
             self.chunk_times.append(at)
 
 
@@ -107,11 +113,11 @@ async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, body: Mapp
             if response.status_code != 200:
                 await response.aread()
                 raise _Failed(f"HTTP {response.status_code}{_error_message(response)}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in _sse_lines(response):
+                if not line.startswith(b"data:"):
                     continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
+                data = line[len(b"data:"):].strip()
+                if data == b"[DONE]":
                     break
                 stream.take(json.loads(data), time.perf_counter() - sent)
     except _Failed as exc:
@@ -120,13 +126,26 @@ async def send_request(client: httpx.AsyncClient, endpoint: Endpoint, body: Mapp
         return RequestRecord(ok=False, error=f"{type(exc).__name__}: {str(exc)[:80]}".rstrip(": "),
                              **base)
     e2e = time.perf_counter() - sent
-    if not stream.chunk_times:
-        return RequestRecord(ok=False, error="stream ended without generated text", **base)
+    if stream.first_choice_at is None:
+        return RequestRecord(ok=False, error="stream ended without any generated token", **base)
     return RequestRecord(
-        ok=True, output_tokens=stream.output_tokens or len(stream.chunk_times),
-        ttft_s=stream.chunk_times[0], e2e_s=e2e, chunk_times_s=tuple(stream.chunk_times),
+        ok=True, output_tokens=stream.output_tokens or max(len(stream.chunk_times), 1),
+        ttft_s=stream.first_choice_at, e2e_s=e2e, chunk_times_s=tuple(stream.chunk_times),
         server_timings=stream.timings,
         **{**base, "prompt_tokens": stream.prompt_tokens or prompt_tokens})
+
+
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's lines split at \\n only: generated text may hold U+2028 or U+0085, which
+    JSON leaves unescaped and str.splitlines (httpx's aiter_lines) would split at."""
+    pending = b""
+    async for piece in response.aiter_bytes():
+        pending += piece
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            yield line.rstrip(b"\r")
+    if pending:
+        yield pending
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -20,9 +20,8 @@ def workload_from(args: argparse.Namespace, max_model_len: int | None) -> Worklo
 
 
 def load_from(args: argparse.Namespace) -> LoadSpec:
-    return LoadSpec(burstiness=args.burstiness,
-                    max_concurrency=getattr(args, "max_concurrency", None), seed=args.seed,
-                    request_timeout_s=args.request_timeout_s)
+    return LoadSpec(burstiness=args.burstiness, max_concurrency=args.max_concurrency,
+                    seed=args.seed, request_timeout_s=args.request_timeout_s)
 
 
 def slo_from(args: argparse.Namespace) -> SLO:

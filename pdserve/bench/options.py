@@ -127,7 +127,10 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     _workload_options(p)
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="ttft:MS bounds the prefill profile, tpot:MS the decode profile")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--num-warmups", type=int, default=2)
     p.add_argument("--request-timeout-s", type=float, default=600.0)
     p.add_argument("--result-dir", type=Path, default=DEFAULT_RESULT_DIR / "plan")
+    p.add_argument("--no-plots", dest="plots", action="store_false")
     p.add_argument("--ray-cpus", type=int, default=None)

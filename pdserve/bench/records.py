@@ -19,9 +19,9 @@ RUN_FILE_SUFFIX = ".run.json"
 class RequestRecord:
     """One request as the client saw it, plus the server's stage timings when it sent them.
 
-    ``chunk_times_s``: when each streamed chunk that carried generated text arrived, counted
-    from the send; the first is the TTFT. ``output_tokens`` comes from the usage chunk (the
-    number of text chunks when the server sent no usage).
+    ``ttft_s``: when the first chunk with a choice arrived, counted from the send;
+    ``chunk_times_s``: when each chunk that carried generated text arrived. ``output_tokens``
+    comes from the usage chunk (the number of text chunks when the server sent no usage).
     """
 
     index: int

@@ -70,8 +70,11 @@ class FakeServer:
                 yield f"data: {json.dumps({'error': {'message': 'decode worker died'}})}\n\n"
                 yield "data: [DONE]\n\n"
                 return
-            chunk = {**head, "choices": [{"index": 0, "text": f" t{k}", "finish_reason": None}]}
-            yield f"data: {json.dumps(chunk)}\n\n"
+            # Raw U+2028 and U+0085 (JSON leaves them unescaped) inside the text, as a model's
+            # output can hold them: they must not split the SSE line.
+            text = f" t{k}\u2028\x85"
+            chunk = {**head, "choices": [{"index": 0, "text": text, "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         prompt = len(body["prompt"])
         if body.get("stream_options", {}).get("include_usage"):
             usage = {"prompt_tokens": prompt, "completion_tokens": body["max_tokens"],

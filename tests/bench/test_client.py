@@ -32,8 +32,8 @@ def test_a_stream_is_timed_chunk_by_chunk_with_server_timings() -> None:
     assert record.ok and record.error is None
     assert (record.prompt_tokens, record.output_tokens) == (37, 6)
     assert len(record.chunk_times_s) == 6 and record.ttft_s == record.chunk_times_s[0]
-    assert all(gap >= 0.009 for gap in record.itl_s)  # the server sleeps 10 ms per token
-    assert record.e2e_s >= record.chunk_times_s[-1]
+    assert len(record.itl_s) == 5 and all(gap >= 0 for gap in record.itl_s)
+    assert record.e2e_s >= max(record.chunk_times_s[-1], 0.06)  # 6 tokens, 10 ms sleep each
     [timings] = record.server_timings
     assert timings["path"] == "disaggregated" and timings["handoff_bytes"] == 65536
     body = server.bodies[0]
