@@ -4,6 +4,7 @@ parsed arguments (the CLI parses and calls these)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from pdserve.bench.client import Endpoint, fetch_model
 from pdserve.bench.records import load_runs
@@ -71,6 +72,9 @@ def report_main(args: argparse.Namespace) -> int:
     runs = load_runs(args.report_dir)
     if not runs:
         raise SystemExit(f"{args.report_dir} holds no *.run.json files")
+    if args.goodput is not None:
+        slo = slo_from(args).as_dict()
+        runs = [dataclasses.replace(r, slo=slo) for r in runs]
     if args.plots:
         from pdserve.bench.plots import require_matplotlib
 

@@ -102,6 +102,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                               "directory from its run files")
     report.add_argument("report_dir", type=Path)
     report.add_argument("--baseline", default=None)
+    report.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                        help="judge the saved requests by these SLO bounds instead of the "
+                             "runs' own")
     report.add_argument("--no-plots", dest="plots", action="store_false")
 
 

@@ -7,6 +7,7 @@ Every request ends as a record, failures included: none is dropped from the run.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -103,6 +104,7 @@ def run_load(endpoint: Endpoint, requests: Sequence[PreparedRequest], load: Load
              label: str = "bench") -> tuple[list[RequestRecord], float]:
     """Send the requests under ``load``; returns every record (in order) and the wall time
     from the first send to the last answer."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     return asyncio.run(_run(endpoint, requests, load, label))
 
 
