@@ -27,7 +27,6 @@ from pdserve.bench.slo import SLO
 from pdserve.bench.sweep import PromptShaper, Target, sweep
 from pdserve.bench.workloads import PromptSpec
 
-
 PREFILL_PROFILE_TOKENS = 2
 
 

@@ -26,7 +26,10 @@ def record(i: int, ttft: float, e2e: float, tokens: int = 3, **kw) -> RequestRec
                          chunk_times_s=(ttft, e2e), **kw)
 
 
-def run(setup: str, rate: float, records: list[RequestRecord], slo: SLO = SLO(ttft_ms=100)):
+TTFT_100 = SLO(ttft_ms=100)
+
+
+def run(setup: str, rate: float, records: list[RequestRecord], slo: SLO = TTFT_100):
     return RunResult(setup, {"name": "random", "num_prompts": len(records)},
                      {"request_rate": rate, "burstiness": 1.0, "seed": 0}, slo.as_dict(), 2.0,
                      tuple(records))

@@ -138,3 +138,32 @@ def test_plan_profiles_one_replica_per_role_and_writes_a_config_pdserve_accepts(
     assert sum(counts.values()) <= 3 and min(counts.values()) >= 1
     assert yaml.safe_load(written.read_text())["roles"]["capacity"]["total_cpus"] == \
         sum(counts.values())
+
+
+def _ingress_returns_timings() -> bool:
+    import inspect
+
+    import pdserve.router.ingress as ingress
+
+    return "pdserve_timings" in inspect.getsource(ingress)
+
+
+@pytest.mark.skipif(not _ingress_returns_timings(),
+                    reason="this ingress does not return pdserve_timings yet")
+def test_bench_joins_the_ingress_stage_timings(served_apps: ServedApps,
+                                                tiny_checkpoints: dict[str, str],
+                                                tmp_path: Path) -> None:
+    assert main(["bench", "--base-url", served_apps.url("disagg"), "--tokenizer",
+                 tiny_checkpoints["llama"], *LONG_DOC, "--seed", "4", "--num-prompts", "6",
+                 "--server-timings", "--label", "disagg", "--result-dir", str(tmp_path)]) == 0
+    [run] = runs_in(tmp_path)
+    for request in run["requests"]:
+        [timings] = request["server_timings"]
+        assert timings["path"] == "disaggregated" and timings["status"] == "ok"
+        assert timings["num_prompt_tokens"] == 164 and timings["handoff_bytes"] > 0
+        assert timings["e2e_ms"] <= request["e2e_s"] * 1e3  # the server's E2E sits inside
+    text = (tmp_path / "summary.md").read_text()
+    assert "## Where the time went" in text and "| disagg | inf | 6 |" in text
+    assert "disaggregated 6" in text  # the handoff table's paths
+    for png in ("stage_breakdown.png", "handoff.png"):
+        assert (tmp_path / png).stat().st_size > 5000
