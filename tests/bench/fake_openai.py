@@ -35,6 +35,8 @@ class FakeServer:
     token_delay_s: float = 0.002
     bodies: list[dict[str, Any]] = field(default_factory=list)
     auth_headers: list[str | None] = field(default_factory=list)
+    in_flight: int = 0
+    most_in_flight: int = 0
     url: str = ""
 
     def app(self) -> FastAPI:
@@ -61,6 +63,15 @@ class FakeServer:
         return app
 
     async def _stream(self, n: int, body: dict[str, Any], fail: bool) -> AsyncIterator[str]:
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            async for event in self._events(n, body, fail):
+                yield event
+        finally:
+            self.in_flight -= 1
+
+    async def _events(self, n: int, body: dict[str, Any], fail: bool) -> AsyncIterator[str]:
         started = time.perf_counter()
         head = {"id": f"cmpl-{n}", "object": "text_completion", "created": 0,
                 "model": body["model"]}

@@ -11,7 +11,9 @@ import httpx
 import pytest
 from fake_openai import FakeServer, serving
 
+from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Endpoint, send_request
+from pdserve.bench.runner import LoadSpec
 from pdserve.bench.workloads import PromptSpec
 from pdserve.cluster.cli import main
 
@@ -84,3 +86,28 @@ def test_bench_counts_every_refused_and_broken_request(tmp_path: Path,
     assert f"| in-stream error | {expected.count('midstream')} |" in text
     for png in ("latency_cdf.png", "goodput_vs_rate.png", "stage_breakdown.png", "handoff.png"):
         assert (tmp_path / png).stat().st_size > 5000
+
+
+def _load(server: FakeServer, num: int, load: LoadSpec) -> list:
+    from pdserve.bench.runner import prepare, run_load
+
+    endpoint = Endpoint(server.url, "fake-model")
+    prompts = [PromptSpec((3, 4, 5), 4) for _ in range(num)]
+    records, duration = run_load(endpoint, prepare(endpoint, prompts), load)
+    assert duration > 0
+    return records
+
+
+def test_closed_loop_keeps_at_most_max_concurrency_in_flight() -> None:
+    with serving(FakeServer(lambda n: None, token_delay_s=0.02)) as server:
+        records = _load(server, 12, LoadSpec(max_concurrency=3))
+        assert server.most_in_flight == 3  # 12 at once, capped: the cap is always full
+    assert [r.index for r in records] == list(range(12)) and all(r.ok for r in records)
+
+
+def test_open_loop_sends_each_request_at_its_arrival_time() -> None:
+    load = LoadSpec(request_rate=20.0, seed=1)
+    with serving(FakeServer(lambda n: None)) as server:
+        records = _load(server, 10, load)
+    assert [r.scheduled_s for r in records] == arrival_times(10, 20.0, 1.0, seed=1)
+    assert all(r.sent_s >= r.scheduled_s for r in records)  # never early
