@@ -186,9 +186,12 @@ def make_plan(prefill: RoleProfile, decode: RoleProfile, *, target_rate: float |
 def _profile_line(profile: RoleProfile) -> str:
     tested = ", ".join(f"{p.request_rate:g}/s: {p.attainment:.0%}" for p in
                        sorted(profile.points, key=lambda p: p.request_rate))
+    top = max(p.request_rate for p in profile.points)
+    bound = (" - every profiled rate passed, so this is a lower bound: profile higher rates"
+             if profile.sustained_rate == top else "")
     return (f"{profile.role}: one replica sustains {_g(profile.sustained_rate)} req/s at "
             f"{profile.metric.upper()} <= {profile.slo_ms:g} ms for "
-            f"{profile.attainment_target:.0%} of requests (attainment by rate: {tested})")
+            f"{profile.attainment_target:.0%} of requests (attainment by rate: {tested}){bound}")
 
 
 def _best_within(g_p: float, g_d: float, total: float, c_p: float,

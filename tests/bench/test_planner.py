@@ -38,6 +38,9 @@ def test_target_rate_gives_ceil_of_rate_over_per_replica_goodput() -> None:
     text = plan.explain()
     assert "ceil(10 / 2) = 5" in text and "ceil(10 / 4) = 3" in text
     assert "5 x 1 + 3 x 1 = 8 CPUs" in text and "prefill-bound" in text
+    assert "lower bound" not in text  # both profiles found a rate their replica misses
+    passing = profile("decode", 50, {1: 1.0, 2: 0.95})
+    assert "lower bound: profile higher rates" in make_plan(PREFILL, passing, total=2).explain()
 
 
 def test_a_total_alone_maximises_what_it_sustains() -> None:
