@@ -4,8 +4,8 @@ its own SLO, then as many replicas of each as the target rate needs. Pure arithm
 Rule, stated once (every step is printed by `Plan.explain`):
   1. A role profile is a sweep of request rates against ONE replica of that role, each with
      its SLO attainment (prefill: TTFT, decode: TPOT). The replica *sustains* the highest rate
-     of the sweep below which every rate met the attainment target (DistServe's per-instance
-     goodput); ``g_p`` and ``g_d`` requests/s.
+     of the sweep that met the attainment target (DistServe's per-instance goodput); ``g_p``
+     and ``g_d`` requests/s. A lower rate that missed is flagged (a noisy measurement).
   2. For a target rate ``R``: ``p = ceil(R / g_p)`` prefill and ``d = ceil(R / g_d)`` decode
      replicas; they cost ``p * c_p + d * c_d`` of the divided resource (CPUs or GPUs).
   3. Given a resource total ``T`` and no target: the ``(p, d)`` with ``p * c_p + d * c_d <= T``
@@ -62,14 +62,16 @@ class RoleProfile:
 
     @property
     def sustained_rate(self) -> float:
-        """Highest swept rate with every rate up to it meeting the target; 0 if the lowest
-        already misses."""
-        best = 0.0
-        for point in sorted(self.points, key=lambda p: p.request_rate):
-            if point.attainment < self.attainment_target:
-                break
-            best = point.request_rate
-        return best
+        """Highest swept rate that met the attainment target; 0 if none did."""
+        return max((p.request_rate for p in self.points
+                    if p.attainment >= self.attainment_target), default=0.0)
+
+    @property
+    def dips(self) -> tuple[float, ...]:
+        """Rates below the sustained one that missed the target (noise, or a bad sweep)."""
+        return tuple(sorted(p.request_rate for p in self.points
+                            if p.request_rate < self.sustained_rate
+                            and p.attainment < self.attainment_target))
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "points": [asdict(p) for p in self.points],
@@ -188,7 +190,10 @@ def _profile_line(profile: RoleProfile) -> str:
                        sorted(profile.points, key=lambda p: p.request_rate))
     top = max(p.request_rate for p in profile.points)
     bound = (" - every profiled rate passed, so this is a lower bound: profile higher rates"
-             if profile.sustained_rate == top else "")
+             if profile.sustained_rate == top and not profile.dips else "")
+    if profile.dips:
+        bound += (f" - note: {', '.join(f'{r:g}' for r in profile.dips)} req/s missed although "
+                  "a higher rate passed (a noisy machine?); rerun with more prompts")
     return (f"{profile.role}: one replica sustains {_g(profile.sustained_rate)} req/s at "
             f"{profile.metric.upper()} <= {profile.slo_ms:g} ms for "
             f"{profile.attainment_target:.0%} of requests (attainment by rate: {tested}){bound}")
