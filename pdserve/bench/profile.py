@@ -1,9 +1,9 @@
 """`pdserve plan --profile CONFIG`: what ONE prefill and ONE decode replica of a disaggregated
 config sustain at their own SLOs, across a sweep of request rates.
 
-- Prefill: the workload's prompts with two output tokens each (the first is prefill's own, so
-  decode does next to nothing); attainment = share of requests whose TTFT meets the ttft
-  bound (queueing behind earlier prefills included).
+- Prefill: the workload's prompts with one output token each (prefill's own); attainment =
+  share of requests whose TTFT meets the ttft bound (queueing behind earlier prefills
+  included).
 - Decode: the workload's output lengths, but every prompt the first tokens of ONE shared
   sequence (as long as the workload's prompts), so prefill and the handoff are prefix-cache
   hits and the decode replica's batch is what limits; attainment = share meeting the tpot
@@ -27,11 +27,9 @@ from pdserve.bench.slo import SLO
 from pdserve.bench.sweep import PromptShaper, Target, sweep
 from pdserve.bench.workloads import PromptSpec
 
-PREFILL_PROFILE_TOKENS = 2
-
 
 def prefill_shape(prompts: list[PromptSpec]) -> list[PromptSpec]:
-    return [dataclasses.replace(p, max_tokens=PREFILL_PROFILE_TOKENS) for p in prompts]
+    return [dataclasses.replace(p, max_tokens=1) for p in prompts]
 
 
 def decode_shape(prompts: list[PromptSpec]) -> list[PromptSpec]:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
 from pathlib import Path
 
 import pytest
+from cpu_claim_child import affinity, claim_and_hold
 
 from pdserve.engine.cpu_affinity import (
-    CpuAffinity,
     CpuAffinityError,
     apply_cpu_settings,
     claim_core_set,
@@ -23,11 +22,6 @@ from pdserve.engine.engine_config import EngineConfig
 
 CTX = multiprocessing.get_context("spawn")
 CORES = sorted(os.sched_getaffinity(0))
-
-
-def affinity(tmp_path: Path, *sets: str, timeout_s: float = 60.0) -> CpuAffinity:
-    return CpuAffinity((("decode", tuple(parse_cpu_list(s) for s in sets)),), str(tmp_path),
-                       timeout_s)
 
 
 def test_cpulists_parse_and_print_like_proc() -> None:
@@ -49,17 +43,9 @@ def test_claims_take_distinct_sets_and_a_full_role_waits_then_fails(tmp_path: Pa
     assert claim_core_set(aff, "decode").index == second.index
 
 
-def _claim_and_report(claim_dir: str, sets: list[str], out: multiprocessing.Queue,
-                      hold: bool) -> None:
-    claim = claim_core_set(affinity(Path(claim_dir), *sets), "decode")
-    out.put((os.getpid(), claim.index))
-    if hold:
-        signal.pause()  # killed by the test
-
-
 def test_a_killed_holders_set_is_free_again(tmp_path: Path) -> None:
     out = CTX.Queue()
-    holder = CTX.Process(target=_claim_and_report, args=(str(tmp_path), ["0"], out, True))
+    holder = CTX.Process(target=claim_and_hold, args=(str(tmp_path), ["0"], out))
     holder.start()
     try:
         assert out.get(timeout=60)[1] == 0
@@ -74,7 +60,7 @@ def test_a_killed_holders_set_is_free_again(tmp_path: Path) -> None:
 def test_replicas_starting_at_once_never_share_a_set(tmp_path: Path) -> None:
     out = CTX.Queue()
     sets = [str(k) for k in range(6)]
-    procs = [CTX.Process(target=_claim_and_report, args=(str(tmp_path), sets, out, True))
+    procs = [CTX.Process(target=claim_and_hold, args=(str(tmp_path), sets, out))
              for _ in range(6)]
     for p in procs:
         p.start()

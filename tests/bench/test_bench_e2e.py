@@ -1,5 +1,5 @@
 """`pdserve bench`, `bench compare` and `plan --profile` end to end on the tiny model, against
-real Serve apps on the shared local Ray: run files, plots and summary; each compared worker
+real Serve apps on the session's local Ray: run files, plots and summary; each compared worker
 pinned to its own core (read from every thread of the replica process); a plan whose config
 pdserve accepts."""
 
@@ -21,7 +21,7 @@ from pdserve.cluster.cli import build_parser, main
 from pdserve.cluster.config import load_config
 
 if TYPE_CHECKING:
-    from conftest import ServedApps
+    from served import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -58,7 +58,7 @@ def test_bench_against_pdserve_writes_runs_plots_and_summary(served_apps: Served
 
 def pinned_config(tmp_path: Path, model: str, name: str, mode: str,
                   affinity: dict[str, list[int]]) -> Path:
-    from conftest import app_config
+    from served import app_config
 
     raw = app_config(model, mode)
     if mode == "colocated":
@@ -71,18 +71,18 @@ def pinned_config(tmp_path: Path, model: str, name: str, mode: str,
 
 @pytest.mark.skipif(len(CORES) < 2, reason="pinning two workers apart needs 2+ cores")
 def test_compare_runs_each_setup_with_every_worker_on_its_own_core(
-        served_apps: ServedApps, tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
+        ray_serve: ServedApps, tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
     model, (a, b) = tiny_checkpoints["llama"], CORES[:2]
     colo = pinned_config(tmp_path, model, "colo2", "colocated", {"decode": [a, b]})
     disagg = pinned_config(tmp_path, model, "disagg1p1d", "disaggregated",
                            {"prefill": [a], "decode": [b]})
     out = tmp_path / "results"
     args = build_parser().parse_args(
-        ["bench", "compare", str(colo), str(disagg), *LONG_DOC, "--num-prompts", "6",
-         "--request-rate", "inf", "--goodput", "ttft:60000", "--num-warmups", "1",
+        ["bench", "compare", str(colo), str(disagg), *LONG_DOC, "--num-prompts", "4",
+         "--request-rate", "inf", "--goodput", "ttft:60000", "--num-warmups", "0",
          "--result-dir", str(out)])
     assert compare_main(args, parse_goodput(args.goodput), args.request_rate,
-                        launcher=ServeLauncher(served_apps.base_url)) == 0
+                        launcher=ServeLauncher(ray_serve.base_url)) == 0
     runs = {r["setup"]: r for r in runs_in(out)}
     assert set(runs) == {"colo2", "disagg1p1d"}
     pinned = {setup: sorted((p["deployment"], p["cpus_allowed"], p["torch_threads"])
@@ -93,7 +93,7 @@ def test_compare_runs_each_setup_with_every_worker_on_its_own_core(
     assert runs["colo2"]["server"]["resources"] == runs["disagg1p1d"]["server"]["resources"] \
         == {"CPU": 2.0, "pinned cores": 2.0}
     for run in runs.values():
-        assert run["summary"]["completed"] == 6
+        assert run["summary"]["completed"] == 4
     summary = (out / "summary.md").read_text()
     assert "## Goodput (req/s), ratio to colo2" in summary and "(1.00x)" in summary
 
@@ -114,8 +114,8 @@ def test_compare_refuses_unequal_resources(tiny_checkpoints: dict[str, str],
 
 
 def test_plan_profiles_one_replica_per_role_and_writes_a_config_pdserve_accepts(
-        served_apps: ServedApps, tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
-    from conftest import app_config
+        ray_serve: ServedApps, tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
+    from served import app_config
 
     config = tmp_path / "profiled.yaml"
     config.write_text(yaml.safe_dump(app_config(tiny_checkpoints["llama"], "disaggregated")))
@@ -124,14 +124,14 @@ def test_plan_profiles_one_replica_per_role_and_writes_a_config_pdserve_accepts(
         ["plan", "--profile", str(config), *LONG_DOC, "--num-prompts", "4", "--profile-rates",
          "2", "8", "--goodput", "ttft:60000", "tpot:30000", "--num-warmups", "1",
          "--total", "3", "--write-config", str(written), "--result-dir", str(tmp_path)])
-    assert plan_command(args, launcher=ServeLauncher(served_apps.base_url)) == 0
+    assert plan_command(args, launcher=ServeLauncher(ray_serve.base_url)) == 0
     profiles = json.loads((tmp_path / "profiles.json").read_text())
     by_role = {p["role"]: p for p in profiles["profiles"]}
     assert [pt["request_rate"] for pt in by_role["prefill"]["points"]] == [2.0, 8.0]
     # Bounds of a minute: every request of the tiny model meets them, so both rates pass.
     assert by_role["prefill"]["sustained_rate"] == by_role["decode"]["sustained_rate"] == 8.0
     runs = {r["setup"]: r for r in runs_in(tmp_path)}
-    assert {r["output_tokens"] for r in runs["profiled-prefill"]["requests"]} == {2}
+    assert {r["output_tokens"] for r in runs["profiled-prefill"]["requests"]} == {1}
     assert {r["output_tokens"] for r in runs["profiled-decode"]["requests"]} == {5}
     cfg = load_config(written)  # what `pdserve serve` reads
     counts = {r.role: r.replicas for r in cfg.replica_plan().roles}
