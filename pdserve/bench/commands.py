@@ -79,9 +79,7 @@ def report_main(args: argparse.Namespace) -> int:
         from pdserve.bench.plots import require_matplotlib
 
         require_matplotlib()
-    workloads = {r.workload["name"] for r in runs}
-    write_report(runs, args.report_dir, plots=args.plots, baseline=args.baseline,
-                 title=f"pdserve bench: {', '.join(sorted(workloads))}")
+    write_report(runs, args.report_dir, plots=args.plots, baseline=args.baseline)
     return 0
 
 

@@ -79,7 +79,7 @@ def ray_cpus_for(setups: Sequence[Setup]) -> int:
 
 @contextmanager
 def deployed(launcher: ServeLauncher, setup: Setup, api: Api = "completions",
-             ignore_eos: bool = True) -> Iterator[tuple[Target, int | None]]:
+             ignore_eos: bool = True, order: int = 0) -> Iterator[tuple[Target, int | None]]:
     """The setup deployed, as a target to load (and its context length); deleted on exit."""
     from pdserve.cluster.model_source import resolve_model_path
     from pdserve.engine.tokenizer import Tokenizer
@@ -94,7 +94,7 @@ def deployed(launcher: ServeLauncher, setup: Setup, api: Api = "completions",
                   f"{p.torch_threads} torch threads, {p.num_threads} threads")
         model, max_len = fetch_model(url)
         endpoint = Endpoint(url, model, api, server_timings=True, ignore_eos=ignore_eos)
-        server = {"config_path": str(setup.path), "config": dict(setup.raw),
+        server = {"order": order, "config_path": str(setup.path), "config": dict(setup.raw),
                   "replicas": [p.to_json() for p in placements],
                   "resources": {k: float(v) for k, v in total_resources(cfg).items()}}
         tokenizer = Tokenizer.from_checkpoint(resolve_model_path(cfg))
@@ -104,11 +104,11 @@ def deployed(launcher: ServeLauncher, setup: Setup, api: Api = "completions",
 
 
 def run_setup(launcher: ServeLauncher, setup: Setup, args: argparse.Namespace, slo: SLO,
-              rates: Sequence[float]) -> list[RunResult]:
+              rates: Sequence[float], order: int = 0) -> list[RunResult]:
     """Deploy one setup, run every rate against it, delete it."""
     from pdserve.bench.commands import load_from, workload_from
 
-    with deployed(launcher, setup, args.api, args.ignore_eos) as (target, max_len):
+    with deployed(launcher, setup, args.api, args.ignore_eos, order) as (target, max_len):
         return sweep(target, workload_from(args, max_len), rates, load_from(args), slo,
                      args.num_warmups, args.result_dir)
 
@@ -124,12 +124,11 @@ def compare_main(args: argparse.Namespace, slo: SLO, rates: Sequence[float],
           f"{slo.describe()}", flush=True)
     runs: list[RunResult] = []
     if launcher is not None:
-        for setup in setups:
-            runs += run_setup(launcher, setup, args, slo, rates)
+        for k, setup in enumerate(setups):
+            runs += run_setup(launcher, setup, args, slo, rates, k)
     else:
         with local_serve(args.ray_cpus or ray_cpus_for(setups)) as local:
-            for setup in setups:
-                runs += run_setup(local, setup, args, slo, rates)
-    write_report(runs, args.result_dir, plots=args.plots, baseline=args.baseline,
-                 title=f"pdserve bench compare: {args.workload}")
+            for k, setup in enumerate(setups):
+                runs += run_setup(local, setup, args, slo, rates, k)
+    write_report(runs, args.result_dir, plots=args.plots, baseline=args.baseline)
     return 0

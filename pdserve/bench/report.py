@@ -21,8 +21,10 @@ class SummarizedRun:
 
 
 def summarize_runs(runs: Sequence[RunResult]) -> list[SummarizedRun]:
-    """Each run with its figures, ordered by setup (as first seen) and then rate."""
-    order = {setup: i for i, setup in enumerate(dict.fromkeys(r.setup for r in runs))}
+    """Each run with its figures, ordered by setup (a comparison's order, else as first seen)
+    and then rate."""
+    seen = {setup: i for i, setup in enumerate(dict.fromkeys(r.setup for r in runs))}
+    order = {r.setup: (r.server.get("order", len(seen)), seen[r.setup]) for r in runs}
     ordered = sorted(runs, key=lambda r: (order[r.setup], r.request_rate))
     return [SummarizedRun(r, summarize(r.records, r.duration_s, SLO(**r.slo)), breakdown(r.records))
             for r in ordered]

@@ -76,9 +76,12 @@ def sweep(target: Target, workload: WorkloadSpec, rates: Sequence[float], load: 
 
 
 def write_report(runs: Sequence[RunResult], result_dir: Path, *, plots: bool,
-                 baseline: str | None = None, title: str = "pdserve bench") -> str:
-    """summary.md (returned) and the plots of every run in ``runs``."""
+                 baseline: str | None = None, title: str | None = None) -> str:
+    """summary.md (returned) and the plots of every run in ``runs``; the title names the
+    workloads unless given."""
     items = summarize_runs(runs)
+    workloads = sorted({str(r.workload.get("name")) for r in runs})
+    title = title or f"pdserve bench: {', '.join(workloads)}"
     text = markdown_summary(items, baseline, title)
     result_dir.mkdir(parents=True, exist_ok=True)
     (result_dir / "summary.md").write_text(text)

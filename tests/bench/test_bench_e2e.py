@@ -96,6 +96,9 @@ def test_compare_runs_each_setup_with_every_worker_on_its_own_core(
         assert run["summary"]["completed"] == 4
     summary = (out / "summary.md").read_text()
     assert "## Goodput (req/s), ratio to colo2" in summary and "(1.00x)" in summary
+    # Redrawn from the run files alone, the comparison keeps its order (colo2 first).
+    assert main(["bench", "report", str(out), "--no-plots"]) == 0
+    assert (out / "summary.md").read_text() == summary
 
 
 def test_compare_refuses_unequal_resources(tiny_checkpoints: dict[str, str],
