@@ -161,8 +161,9 @@ def make_plan(prefill: RoleProfile, decode: RoleProfile, *, target_rate: float |
             best = _best_within(g_p, g_d, total, prefill_cost, decode_cost)
             best_text = "not even one replica of each" if best is None else (
                 f"{best[0]}:{best[1]} sustains {_g(min(best[0] * g_p, best[1] * g_d))} req/s")
-            raise PlanError(f"{_g(target_rate)} req/s needs {_g(cost)} {unit}, more than the "
-                            f"total {_g(total)}; within {_g(total)} {unit}, {best_text}")
+            raise PlanError("\n".join(lines) + f"\n{_g(target_rate)} req/s needs {_g(cost)} "
+                            f"{unit}, more than the total {_g(total)}; within {_g(total)} "
+                            f"{unit}, {best_text}")
         if total is not None:
             lines.append(f"fits the total {_g(total)} {unit} ({_g(total - cost)} left over)")
     else:
