@@ -8,6 +8,7 @@ and pin the same number of cores (engine.cpu_affinity), so setups differ only in
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -23,6 +24,8 @@ from pdserve.bench.slo import SLO
 from pdserve.bench.sweep import Target, sweep, write_report
 from pdserve.cluster.capacity import format_amount
 from pdserve.cluster.config import PdserveConfig, parse_config, read_config_data
+
+REPLICAS_FILE_SUFFIX = ".replicas.json"  # each replica's cores, at start and after the load
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,13 @@ def load_setups(paths: Sequence[Path]) -> list[Setup]:
 
 def total_resources(cfg: PdserveConfig) -> dict[str, Fraction]:
     """CPUs and GPUs every worker replica asks for in all, and the cores they pin."""
-    totals = dict(cfg.replica_plan().demand())
-    pinned = {role: sets for role, sets in cfg.engine.core_sets().items()}
+    plan = cfg.replica_plan()
+    totals = dict(plan.demand())
+    pinned = cfg.engine.core_sets()
     if pinned:
-        plan = cfg.replica_plan()
-        totals["pinned cores"] = Fraction(sum(
-            len(cores) for role, sets in pinned.items()
-            for cores in sets[: (plan.role(role).replicas if plan.role(role) else 0)]))
+        started = {r.role: r.replicas for r in plan.roles}
+        totals["pinned cores"] = Fraction(sum(len(cores) for role, sets in pinned.items()
+                                              for cores in sets[: started.get(role, 0)]))
     return {k: v for k, v in totals.items() if v > 0}
 
 
@@ -109,8 +112,14 @@ def run_setup(launcher: ServeLauncher, setup: Setup, args: argparse.Namespace, s
     from pdserve.bench.commands import load_from, workload_from
 
     with deployed(launcher, setup, args.api, args.ignore_eos, order) as (target, max_len):
-        return sweep(target, workload_from(args, max_len), rates, load_from(args), slo,
+        runs = sweep(target, workload_from(args, max_len), rates, load_from(args), slo,
                      args.num_warmups, args.result_dir)
+        # Again after the load: threads started since (torch's pools) must sit there too.
+        after = [p.to_json() for p in launcher.placements(setup.label)]
+        path = args.result_dir / f"{setup.label}{REPLICAS_FILE_SUFFIX}"
+        path.write_text(json.dumps({"at_start": target.server["replicas"],
+                                    "after_load": after}, indent=1) + "\n")
+        return runs
 
 
 def compare_main(args: argparse.Namespace, slo: SLO, rates: Sequence[float],

@@ -20,12 +20,12 @@ from typing import Any
 
 from pdserve.bench.compare import Setup, deployed, load_setups
 from pdserve.bench.metrics import summarize
-from pdserve.bench.planner import ProfilePoint, RoleProfile
+from pdserve.bench.planner import PlanRole, ProfilePoint, RoleProfile
 from pdserve.bench.records import RunResult
 from pdserve.bench.serve_launcher import ServeLauncher
 from pdserve.bench.slo import SLO
 from pdserve.bench.sweep import PromptShaper, Target, sweep
-from pdserve.bench.workloads import PromptSpec
+from pdserve.bench.workloads import PromptSpec, WorkloadSpec
 
 
 def prefill_shape(prompts: list[PromptSpec]) -> list[PromptSpec]:
@@ -62,16 +62,16 @@ def profile_config(launcher: ServeLauncher, args: argparse.Namespace, slo: SLO,
     if slo.ttft_ms is None or slo.tpot_ms is None:
         raise SystemExit("profiling needs both bounds: --goodput ttft:MS tpot:MS")
     roles = []
+    sweeps: tuple[tuple[PlanRole, float, SLO, PromptShaper], ...] = (
+        ("prefill", slo.ttft_ms, SLO(ttft_ms=slo.ttft_ms), prefill_shape),
+        ("decode", slo.tpot_ms, SLO(tpot_ms=slo.tpot_ms), decode_shape))
     with deployed(launcher, setup) as (target, max_len):
         workload = workload_from(args, max_len)
-        for role, bound_ms, shape in (("prefill", slo.ttft_ms, prefill_shape),
-                                      ("decode", slo.tpot_ms, decode_shape)):
-            bound = SLO(ttft_ms=bound_ms) if role == "prefill" else SLO(tpot_ms=bound_ms)
+        for role, bound_ms, bound, shape in sweeps:
             runs = _role_sweep(target, role, workload, rates, bound, shape, args)
             points = tuple(ProfilePoint(r.request_rate, _attainment(r, bound), len(r.records))
                            for r in runs)
-            profile = RoleProfile(role, bound_ms, args.attainment, points,  # type: ignore[arg-type]
-                                  workload.to_json())
+            profile = RoleProfile(role, bound_ms, args.attainment, points, workload.to_json())
             print(f"  one {role} replica sustains {profile.sustained_rate:g} req/s at "
                   f"{bound.describe()} for {args.attainment:.0%} of requests")
             roles.append(profile)
@@ -82,7 +82,7 @@ def profile_config(launcher: ServeLauncher, args: argparse.Namespace, slo: SLO,
             "profiles": [p.to_json() for p in roles], "load": load_from(args).to_json()}
 
 
-def _role_sweep(target: Target, role: str, workload: Any, rates: Sequence[float], slo: SLO,
+def _role_sweep(target: Target, role: str, workload: WorkloadSpec, rates: Sequence[float], slo: SLO,
                 shape: PromptShaper, args: argparse.Namespace) -> list[RunResult]:
     from pdserve.bench.commands import load_from
 

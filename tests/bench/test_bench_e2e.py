@@ -90,6 +90,11 @@ def test_compare_runs_each_setup_with_every_worker_on_its_own_core(
     # Every thread of each replica process allowed exactly its claimed core, 1 torch thread.
     assert pinned["colo2"] == [("decode", [str(a)], 1), ("decode", [str(b)], 1)]
     assert pinned["disagg1p1d"] == [("decode", [str(b)], 1), ("prefill", [str(a)], 1)]
+    for setup, expected in pinned.items():
+        # After the load too: threads started since (torch's pools) are on the same cores.
+        after = json.loads((out / f"{setup}.replicas.json").read_text())["after_load"]
+        assert sorted((p["deployment"], p["cpus_allowed"], p["torch_threads"])
+                      for p in after) == expected
     assert runs["colo2"]["server"]["resources"] == runs["disagg1p1d"]["server"]["resources"] \
         == {"CPU": 2.0, "pinned cores": 2.0}
     for run in runs.values():
