@@ -79,6 +79,9 @@ class RunResult:
     records: tuple[RequestRecord, ...]
     server: Mapping[str, Any] = field(default_factory=dict)  # base URL, model, pdserve config
     started_at: float = 0.0  # wall clock (time.time) when the load began
+    # The client machine's 1-minute load average when the run began and ended: other jobs on
+    # a shared machine show here.
+    load_average: tuple[float, float] = (0.0, 0.0)
 
     @property
     def request_rate(self) -> float:
@@ -92,6 +95,7 @@ class RunResult:
         return {"setup": self.setup, "workload": dict(self.workload), "load": dict(self.load),
                 "slo": dict(self.slo), "duration_s": self.duration_s,
                 "server": dict(self.server), "started_at": self.started_at,
+                "load_average": list(self.load_average),
                 "requests": [r.to_json() for r in self.records]}
 
     @classmethod
@@ -99,7 +103,8 @@ class RunResult:
         return cls(setup=data["setup"], workload=data["workload"], load=data["load"],
                    slo=data["slo"], duration_s=data["duration_s"],
                    records=tuple(RequestRecord.from_json(r) for r in data["requests"]),
-                   server=data.get("server", {}), started_at=data.get("started_at", 0.0))
+                   server=data.get("server", {}), started_at=data.get("started_at", 0.0),
+                   load_average=tuple(data.get("load_average", (0.0, 0.0))))
 
 
 def _json_safe(value: Any) -> Any:

@@ -103,6 +103,11 @@ def handoff_table(items: Sequence[SummarizedRun]) -> list[str]:
                    "MiB moved", "MiB per handoff", "prefix hit"], rows)
 
 
+def _load_range(items: Sequence[SummarizedRun]) -> str:
+    values = [v for i in items for v in i.run.load_average if v > 0]
+    return f"{min(values):.1f} to {max(values):.1f}" if values else "not recorded"
+
+
 def markdown_summary(items: Sequence[SummarizedRun], baseline: str | None = None,
                      title: str = "pdserve bench") -> str:
     if not items:
@@ -114,7 +119,8 @@ def markdown_summary(items: Sequence[SummarizedRun], baseline: str | None = None
              f"- load: burstiness {first.load.get('burstiness')}, max concurrency "
              f"{first.load.get('max_concurrency') or 'none'}, seed {first.load.get('seed')}",
              "- latencies count from each request's send; TPOT = (E2E - TTFT) / (tokens - 1); "
-             "goodput = requests meeting every SLO bound per second of the run", "",
+             "goodput = requests meeting every SLO bound per second of the run",
+             f"- machine load average (1 min) during the runs: {_load_range(items)}", "",
              *figures_table(items)]
     setups = list(dict.fromkeys(i.run.setup for i in items))
     if first.slo and not SLO(**first.slo).is_empty and len(setups) > 1:

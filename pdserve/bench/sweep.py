@@ -4,6 +4,7 @@ a JSON per run as it finishes, then summary.md and the plots over all runs."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,11 +59,12 @@ def sweep(target: Target, workload: WorkloadSpec, rates: Sequence[float], load: 
                 print(f"  warning: {failed} of {num_warmups} warm-up requests failed")
         rate_load = dataclasses.replace(load, request_rate=rate, seed=load.seed + k)
         requests = _requests(target, shape(build_prompts(workload, space, round_index=k)))
-        started = time.time()
+        started, load_before = time.time(), os.getloadavg()[0]
         records, duration = run_load(target.endpoint, requests, rate_load,
                                      label=f"{target.label} @{rate:g}/s")
         run = RunResult(target.label, workload.to_json(), rate_load.to_json(), slo.as_dict(),
-                        duration, tuple(records), target.server, started)
+                        duration, tuple(records), target.server, started,
+                        (load_before, os.getloadavg()[0]))
         summary = summarize(records, duration, slo)
         save_run(run, result_dir, summary.to_json())
         goodput = "" if summary.request_goodput is None else \
