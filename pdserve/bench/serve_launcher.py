@@ -1,10 +1,15 @@
 """pdserve apps on a local Ray for `bench compare` and `plan --profile`: deploy one config at a
 time under a route of its own, read where its replicas run (pid, cores, torch threads), delete.
+
+Served as `pdserve serve` serves: each app's ingress replica on an HTTP port of its own
+(Serve's direct ingress), Serve's proxy behind the ports for anything else.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import random
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,18 +58,22 @@ def _probe(_replica: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ServeLauncher:
-    """Deploys pdserve apps on the Serve instance that listens at ``base_url``."""
+    """Deploys pdserve apps on the running Serve instance, whose proxy is at ``proxy_url``."""
 
-    base_url: str
+    proxy_url: str
 
     def deploy(self, cfg: PdserveConfig, name: str) -> str:
-        """Start the app (returns once every replica is up); its base URL."""
+        """Start the app (returns once every replica is up); its base URL: the first ingress
+        replica's own port, or Serve's proxy when the ingress serves none (a Ray started
+        without direct ingress). Load goes to that one ingress replica."""
         from ray import serve
 
         from pdserve.cluster.app import build_from_config
+        from pdserve.cluster.frontend import ingress_ports
 
         serve.run(build_from_config(cfg), name=name, route_prefix=f"/{name}")
-        return f"{self.base_url}/{name}"
+        ports = ingress_ports(name)
+        return f"http://{HOST}:{ports[0]}/{name}" if ports else f"{self.proxy_url}/{name}"
 
     def remove(self, name: str) -> None:
         from ray import serve
@@ -89,28 +98,43 @@ class ServeLauncher:
         return sorted(found, key=lambda p: (p.deployment, p.cpus_allowed, p.pid))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+def _free_port_range(count: int, attempts: int = 200) -> int:
+    """The first of ``count`` consecutive loopback ports free right now."""
+    for _ in range(attempts):
+        first = random.randrange(20000, 60000 - count)
+        try:
+            for port in range(first, first + count):
+                with socket.socket() as s:
+                    s.bind((HOST, port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"found no {count} consecutive free ports on {HOST}")
 
 
 @contextmanager
 def local_serve(num_cpus: int) -> Iterator[ServeLauncher]:
-    """A fresh private Ray (``num_cpus`` logical CPUs) and Serve on a free loopback port;
-    both shut down on the way out, errors and Ctrl-C included."""
+    """A fresh private Ray (``num_cpus`` logical CPUs) with Serve's direct ingress on free
+    loopback ports; Serve and Ray shut down on the way out, errors and Ctrl-C included."""
     import ray
     from ray import serve
 
+    from pdserve.cluster.frontend import MAX_INGRESS_REPLICAS_PER_NODE, direct_ingress_env
+
+    first = _free_port_range(MAX_INGRESS_REPLICAS_PER_NODE + 1)
+    saved = dict(os.environ)
+    os.environ.update(direct_ingress_env(first))  # Ray's processes read it when they start
     # address="local": always a Ray of our own, never a cluster found on the machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     try:
-        port = _free_port()
-        serve.start(http_options={"host": HOST, "port": port})
-        yield ServeLauncher(f"http://{HOST}:{port}")
+        proxy_port = first + MAX_INGRESS_REPLICAS_PER_NODE
+        serve.start(http_options={"host": HOST, "port": proxy_port})
+        yield ServeLauncher(f"http://{HOST}:{proxy_port}")
     finally:
         try:
             serve.shutdown()
         finally:
             ray.shutdown()
+            os.environ.clear()
+            os.environ.update(saved)

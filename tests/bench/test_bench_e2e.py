@@ -82,7 +82,7 @@ def test_compare_runs_each_setup_with_every_worker_on_its_own_core(
          "--request-rate", "inf", "--goodput", "ttft:60000", "--num-warmups", "0",
          "--result-dir", str(out)])
     assert compare_main(args, parse_goodput(args.goodput), args.request_rate,
-                        launcher=ServeLauncher(ray_serve.base_url)) == 0
+                        launcher=ServeLauncher(ray_serve.proxy_url)) == 0
     runs = {r["setup"]: r for r in runs_in(out)}
     assert set(runs) == {"colo2", "disagg1p1d"}
     pinned = {setup: sorted((p["deployment"], p["cpus_allowed"], p["torch_threads"])
@@ -132,7 +132,7 @@ def test_plan_profiles_one_replica_per_role_and_writes_a_config_pdserve_accepts(
         ["plan", "--profile", str(config), *LONG_DOC, "--num-prompts", "4", "--profile-rates",
          "2", "8", "--goodput", "ttft:60000", "tpot:30000", "--num-warmups", "1",
          "--total", "3", "--write-config", str(written), "--result-dir", str(tmp_path)])
-    assert plan_command(args, launcher=ServeLauncher(ray_serve.base_url)) == 0
+    assert plan_command(args, launcher=ServeLauncher(ray_serve.proxy_url)) == 0
     profiles = json.loads((tmp_path / "profiles.json").read_text())
     by_role = {p["role"]: p for p in profiles["profiles"]}
     assert [pt["request_rate"] for pt in by_role["prefill"]["points"]] == [2.0, 8.0]
@@ -148,16 +148,6 @@ def test_plan_profiles_one_replica_per_role_and_writes_a_config_pdserve_accepts(
         sum(counts.values())
 
 
-def _ingress_returns_timings() -> bool:
-    import inspect
-
-    import pdserve.router.ingress as ingress
-
-    return "pdserve_timings" in inspect.getsource(ingress)
-
-
-@pytest.mark.skipif(not _ingress_returns_timings(),
-                    reason="this ingress does not return pdserve_timings yet")
 def test_bench_joins_the_ingress_stage_timings(served_apps: ServedApps,
                                                 tiny_checkpoints: dict[str, str],
                                                 tmp_path: Path) -> None:
