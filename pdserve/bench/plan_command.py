@@ -28,6 +28,10 @@ def _profiles(args: argparse.Namespace, launcher: ServeLauncher | None) -> dict[
     from pdserve.bench.compare import load_setups, ray_cpus_for
     from pdserve.bench.profile import profile_config
 
+    if args.plots:
+        from pdserve.bench.plots import require_matplotlib
+
+        require_matplotlib()
     slo, rates = parse_goodput(args.goodput), args.profile_rates
     if launcher is not None:
         data = profile_config(launcher, args, slo, rates)
