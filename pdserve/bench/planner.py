@@ -177,11 +177,12 @@ def make_plan(prefill: RoleProfile, decode: RoleProfile, *, target_rate: float |
                      f"d x {_g(decode_cost)} <= {_g(total)}, p={p}, d={d} sustains the most: "
                      f"min({p} x {_g(g_p)}, {d} x {_g(g_d)}) = {_g(min(p * g_p, d * g_d))} req/s")
     sustained = min(p * g_p, d * g_d)
-    bottleneck = "prefill" if p * g_p <= d * g_d else "decode"
+    bottleneck = ("balanced" if p * g_p == d * g_d else
+                  "prefill-bound" if p * g_p < d * g_d else "decode-bound")
     divisor = math.gcd(p, d)
     lines.append(f"plan: {p} prefill + {d} decode replicas (ratio {p // divisor}:{d // divisor}), "
                  f"sustains min({p} x {_g(g_p)}, {d} x {_g(g_d)}) = {_g(sustained)} req/s "
-                 f"({bottleneck}-bound)")
+                 f"({bottleneck})")
     return Plan(p, d, g_p, g_d, resource, prefill_cost, decode_cost, target_rate, total,
                 tuple(lines))
 

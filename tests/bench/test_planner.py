@@ -49,6 +49,7 @@ def test_a_total_alone_maximises_what_it_sustains() -> None:
     # p + d <= 6: 4:2 sustains min(8, 8) = 8; 3:3 min(6, 12) = 6; 5:1 min(10, 4) = 4.
     plan = make_plan(PREFILL, DECODE, total=6)
     assert (plan.prefill_replicas, plan.decode_replicas, plan.sustained_rate) == (4, 2, 8)
+    assert "= 8 req/s (balanced)" in plan.explain()
     fragment = plan.capacity_fragment()
     assert fragment == {"roles": {"capacity": {"ratio": "2:1", "total_cpus": 6}}}
     # pdserve's capacity rule derives the same counts back from the fragment.
