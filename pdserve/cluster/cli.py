@@ -1,4 +1,4 @@
-"""The `pdserve` command line: make-model, generate, serve, serve-config.
+"""The `pdserve` command line: make-model, generate, serve, serve-config, bench, plan.
 
 Each subcommand is a thin shell over a function that tests can call directly.
 """
@@ -53,6 +53,13 @@ def _add_serve_config(sub: argparse._SubParsersAction) -> None:
                    choices=["EveryNode", "HeadOnly", "Disabled"])
 
 
+def _add_bench_and_plan(sub: argparse._SubParsersAction) -> None:
+    from pdserve.bench.options import add_bench_parser, add_plan_parser
+
+    add_bench_parser(sub)
+    add_plan_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -61,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_serve_config(sub)
+    _add_bench_and_plan(sub)
     return parser
 
 
@@ -110,12 +118,24 @@ def run_serve_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench(args: argparse.Namespace) -> int:
+    from pdserve.bench.commands import bench_main
+
+    return bench_main(args)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from pdserve.bench.commands import plan_main
+
+    return plan_main(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     handlers = {"make-model": run_make_model, "generate": run_generate, "serve": run_serve,
-                "serve-config": run_serve_config}
+                "serve-config": run_serve_config, "bench": run_bench, "plan": run_plan}
     return handlers[args.command](args)
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import secrets
+import tempfile
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
@@ -39,6 +41,7 @@ from pdserve.cluster.config_sections import (
 )
 
 if TYPE_CHECKING:
+    from pdserve.engine.cpu_affinity import CpuAffinity
     from pdserve.engine.engine_config import EngineConfig
 
 DEFAULT_CONFIG_NAME = "local.yaml"
@@ -86,6 +89,7 @@ class PdserveConfig(Section):
             yield f"roles.{exc.key}", str(exc)
             return
         yield from _autoscaling_problems(self, plan)
+        yield from _affinity_problems(self, plan)
         yield from _resource_problems(self)
         yield from _band_problems(self, plan)
 
@@ -128,7 +132,19 @@ class PdserveConfig(Section):
             block_size=engine.block_size, max_num_batched_tokens=engine.max_num_batched_tokens,
             max_num_seqs=engine.max_num_seqs, max_model_len=self.model.max_model_len,
             enable_prefix_caching=engine.enable_prefix_caching,
-            long_prefill_token_threshold=engine.long_prefill_token_threshold, **kv_size)
+            long_prefill_token_threshold=engine.long_prefill_token_threshold,
+            num_threads=engine.num_threads, cpu_affinity=self._cpu_affinity(), **kv_size)
+
+    def _cpu_affinity(self) -> CpuAffinity | None:
+        """The core sets of engine.cpu_affinity, with a claim directory of this application
+        start's own (replicas of another start never wait for these claims)."""
+        from pdserve.engine.cpu_affinity import CpuAffinity
+
+        sets = self.engine.core_sets()
+        if not sets:
+            return None
+        claim_dir = Path(tempfile.gettempdir()) / "pdserve-cpu-claims" / secrets.token_hex(8)
+        return CpuAffinity(tuple((role, tuple(s)) for role, s in sets.items()), str(claim_dir))
 
     def model_name(self) -> str:
         """The name clients must send as ``model``."""
@@ -215,6 +231,27 @@ def _autoscaling_problems(cfg: PdserveConfig, plan: ReplicaPlan) -> Iterator[tup
             yield key, (f"{name} starts with {source} replica(s), above "
                         f"roles.{name}.autoscaling.max_replicas={high}; lower it or raise "
                         "max_replicas")
+
+
+def _affinity_problems(cfg: PdserveConfig, plan: ReplicaPlan) -> Iterator[tuple[str, str]]:
+    try:
+        sets = cfg.engine.core_sets()
+    except ValueError as exc:
+        yield "engine.cpu_affinity", str(exc)
+        return
+    roles = cfg.role_configs()
+    for name, role_sets in sets.items():
+        key = f"engine.cpu_affinity.{name}"
+        if name not in roles:
+            yield key, (f"{cfg.mode} mode starts no {name} workers; remove {key}")
+            continue
+        role_plan, autoscaling = plan.role(name), roles[name].autoscaling
+        most = max(role_plan.replicas if role_plan else 0,
+                   autoscaling.max_replicas if autoscaling else 0)
+        if len(role_sets) < most:
+            yield key, (f"{len(role_sets)} core set(s) for up to {most} {name} replicas; give "
+                        "each replica a set of its own (a replica without one would wait, then "
+                        "fail)")
 
 
 def _resource_problems(cfg: PdserveConfig) -> Iterator[tuple[str, str]]:

@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from pdserve.cluster.capacity import RatioBand, RatioTerms, ReplicaResources, parse_ratio
+from pdserve.engine.cpu_affinity import parse_cpu_list
 from pdserve.router.http_guard import DEFAULT_MAX_BODY_BYTES
 
 # A guessable handoff token would let any peer write into decode workers' KV caches.
@@ -84,6 +85,16 @@ class EngineSection(Section):
     enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: CUDA when the replica sees a GPU, else CPU.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads per worker; default: the size of the "
+        "worker's core set when cpu_affinity pins it, else torch's default (Ray sets "
+        "OMP_NUM_THREADS from the replica's num_cpus).")
+    cpu_affinity: dict[Literal["prefill", "decode"], list[str | int]] | None = Field(
+        None, description="Pin each worker process to cores of its own (on CPU, workers then "
+        "stand in for separate accelerators and do not take each other's cycles). Per role a "
+        "list of core sets, Linux cpulists like 0, '2-3' or '0,4'; each replica claims a free "
+        "set at start-up (a dead replica's set is free again). Sets must not overlap; a pinned "
+        "role needs a set per replica. Cores are per machine.")
 
     @model_validator(mode="after")
     def _one_kv_size(self) -> EngineSection:
@@ -91,6 +102,32 @@ class EngineSection(Section):
             raise ValueError("give at most one of engine.num_kv_blocks and "
                              "engine.kv_cache_memory_gb")
         return self
+
+    @model_validator(mode="after")
+    def _disjoint_core_sets(self) -> EngineSection:
+        seen: dict[int, str] = {}
+        for role, sets in self.core_sets().items():
+            for k, cores in enumerate(sets):
+                where = f"{role}[{k}]"
+                for core in sorted(cores):
+                    if core in seen:
+                        raise ValueError(f"engine.cpu_affinity: core {core} is in both "
+                                         f"{seen[core]} and {where}; give every replica cores "
+                                         "of its own")
+                    seen[core] = where
+        return self
+
+    def core_sets(self) -> dict[str, list[frozenset[int]]]:
+        """cpu_affinity parsed: role -> core sets (refuses bad cpulists with their text)."""
+        if self.cpu_affinity is None:
+            return {}
+        sets = {role: [parse_cpu_list(s) for s in entries]
+                for role, entries in self.cpu_affinity.items()}
+        for role, entries in sets.items():
+            if not entries:
+                raise ValueError(f"engine.cpu_affinity.{role} is empty; list a core set per "
+                                 "replica or remove the role")
+        return sets
 
 
 class Resources(Section):

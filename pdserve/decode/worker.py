@@ -15,6 +15,7 @@ from typing import Any
 
 from pdserve.decode.api import DecodeCapacityError, DecodeEvent, DecodeRequest
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine, ReceivedKVSlots, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
@@ -52,6 +53,7 @@ class DecodeWorker:
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None) -> None:
         configure_logging()
+        self.cpu_claim = apply_cpu_settings(engine_config, "decode")  # before any engine thread
         self.engine = LLMEngine(engine_config)
         self.async_engine = AsyncEngine(self.engine)
         self.reserve_timeout_s = handoff_config.default_timeout_s if handoff_config else 30.0

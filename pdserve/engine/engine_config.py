@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.cpu_affinity import CpuAffinity
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_layout import DTYPE_BY_NAME
 
@@ -30,6 +31,10 @@ class EngineConfig:
     # Cap on one request's prefill chunk per step (0: no cap beyond the step budget), so a
     # long prompt cannot stall the decodes that share its steps.
     long_prefill_token_threshold: int = 0
+    # torch intra-op threads of the worker (None: the claimed core set's size, else torch's).
+    num_threads: int | None = None
+    # Core sets the worker claims one of and binds to (cpu_affinity.apply_cpu_settings).
+    cpu_affinity: CpuAffinity | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BY_NAME:
@@ -43,6 +48,8 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise InvalidRequestError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise InvalidRequestError(f"num_threads must be positive, got {self.num_threads}")
         if self.num_kv_blocks is None and self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb must be positive")
 

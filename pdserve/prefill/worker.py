@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
+from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode, RequestStatus
@@ -42,6 +43,7 @@ class PrefillWorker:
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig) -> None:
         configure_logging()
+        self.cpu_claim = apply_cpu_settings(engine_config, "prefill")  # before any engine thread
         self.transport = HandoffTransport(handoff_config).start()
         try:
             self.engine = LLMEngine(engine_config)
