@@ -105,6 +105,7 @@ def bar_chart(
     name: str,
     panels: Sequence[tuple[str, str, dict[str, float]]],
     suptitle: str,
+    fmt: str = "%.0f",
 ) -> Path:
     """Save one PNG with a bar panel per (title, y label, {bar: value}); returns its path."""
     import matplotlib
@@ -118,7 +119,7 @@ def bar_chart(
     for ax, (title, ylabel, bars) in zip(axes[0], panels, strict=True):
         labels, values = list(bars), list(bars.values())
         drawn = ax.bar(labels, values, color=colors[: len(labels)])
-        ax.bar_label(drawn, fmt="%.0f")
+        ax.bar_label(drawn, fmt=fmt)
         ax.set_title(title)
         ax.set_ylabel(ylabel)
         ax.margins(y=0.15)

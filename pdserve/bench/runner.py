@@ -65,8 +65,11 @@ def prepare(endpoint: Endpoint, prompts: Sequence[PromptSpec],
 
 
 async def _run(endpoint: Endpoint, requests: Sequence[PreparedRequest], load: LoadSpec,
-               label: str) -> tuple[list[RequestRecord], float]:
-    times = arrival_times(len(requests), load.request_rate, load.burstiness, load.seed)
+               label: str, times: Sequence[float] | None) -> tuple[list[RequestRecord], float]:
+    if times is None:
+        times = arrival_times(len(requests), load.request_rate, load.burstiness, load.seed)
+    elif len(times) != len(requests):
+        raise ValueError(f"{len(times)} arrival times for {len(requests)} requests")
     cap = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
     limits = httpx.Limits(max_connections=load.max_concurrency or len(requests) or 1,
                           max_keepalive_connections=load.max_concurrency or 64)
@@ -101,11 +104,13 @@ async def _run(endpoint: Endpoint, requests: Sequence[PreparedRequest], load: Lo
 
 
 def run_load(endpoint: Endpoint, requests: Sequence[PreparedRequest], load: LoadSpec,
-             label: str = "bench") -> tuple[list[RequestRecord], float]:
-    """Send the requests under ``load``; returns every record (in order) and the wall time
-    from the first send to the last answer."""
+             label: str = "bench", times: Sequence[float] | None = None
+             ) -> tuple[list[RequestRecord], float]:
+    """Send the requests under ``load`` (at ``times``, seconds from the start, when given:
+    a mix of arrival processes); returns every record (in order) and the wall time from the
+    first send to the last answer."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
-    return asyncio.run(_run(endpoint, requests, load, label))
+    return asyncio.run(_run(endpoint, requests, load, label, times))
 
 
 def warm_up(endpoint: Endpoint, requests: Sequence[PreparedRequest], load: LoadSpec) -> int:

@@ -13,7 +13,7 @@ from fake_openai import FakeServer, serving
 
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Endpoint, send_request
-from pdserve.bench.runner import LoadSpec
+from pdserve.bench.runner import LoadSpec, prepare, run_load
 from pdserve.bench.workloads import PromptSpec
 from pdserve.cluster.cli import main
 
@@ -89,8 +89,6 @@ def test_bench_counts_every_refused_and_broken_request(tmp_path: Path,
 
 
 def _load(server: FakeServer, num: int, load: LoadSpec) -> list:
-    from pdserve.bench.runner import prepare, run_load
-
     endpoint = Endpoint(server.url, "fake-model")
     prompts = [PromptSpec((3, 4, 5), 4) for _ in range(num)]
     records, duration = run_load(endpoint, prepare(endpoint, prompts), load)
@@ -111,3 +109,16 @@ def test_open_loop_sends_each_request_at_its_arrival_time() -> None:
         records = _load(server, 10, load)
     assert [r.scheduled_s for r in records] == arrival_times(10, 20.0, 1.0, seed=1)
     assert all(r.sent_s >= r.scheduled_s for r in records)  # never early
+
+
+def test_given_arrival_times_replace_the_rate_and_must_match_the_requests() -> None:
+    times = [0.0, 0.05, 0.02, 0.3]  # two arrival processes merged: not sorted
+    endpoint_prompts = [PromptSpec((5, 6, 7), 2) for _ in times]
+    with serving(FakeServer(lambda n: None)) as server:
+        endpoint = Endpoint(server.url, "fake")
+        requests = prepare(endpoint, endpoint_prompts)
+        records, _ = run_load(endpoint, requests, LoadSpec(request_rate=1.0), times=times)
+        with pytest.raises(ValueError, match="3 arrival times for 4 requests"):
+            run_load(endpoint, requests, LoadSpec(), times=times[:3])
+    assert [r.scheduled_s for r in records] == times
+    assert all(r.ok and r.sent_s >= r.scheduled_s for r in records)

@@ -73,12 +73,12 @@ def test_overload_at_4x_the_bound_answers_fast_429s_and_keeps_admitted_latency(
     print(f"429 p50 {p50_429 * 1000:.0f} ms, p99 {p99_429 * 1000:.0f} ms over "
           f"{len(rejected)}; admitted p99 {p99_admitted * 1000:.0f} ms over "
           f"{len(admitted)} vs unloaded {p99_unloaded * 1000:.0f} ms")
-    # A refusal is answered before any work: typically well under 100 ms, but its tail on
-    # two cores shared with the engine, the client and the rest of the suite reaches
-    # ~0.2 s, so the tail is bounded against the cost of serving instead (a queued 429
-    # would take at least as long as an admitted request).
+    # A refusal is answered before any work: its median well under 100 ms, its tail on two
+    # cores shared with the engine, the client and the rest of the suite up to ~0.2 s. The
+    # tail is bounded by 100 ms or the unloaded service time, whichever is longer: a 429
+    # that queued behind admitted work would take longer than that work.
     assert p50_429 <= 0.1
-    assert p99_429 <= 0.5 * p99_unloaded
+    assert p99_429 <= max(0.1, p99_unloaded)
     assert p99_admitted <= 2 * p99_unloaded
     assert httpx.get(f"{edge_app}/health", timeout=10).status_code == 200
     ray_serve.wait_all_free("edge")
