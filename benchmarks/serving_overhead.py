@@ -1,8 +1,10 @@
 """Serving overhead: one workload offline through `LLMEngine` and over HTTP through `pdserve
 serve` (colocated and disaggregated), side by side in one run, as ratios to the engine.
 
-Offline runs use the decode replica's thread count (colocated: 2, disaggregated: 1) and replay
-the same arrival times; served runs stream `/v1/completions` and timestamp every chunk.
+Placement (default `pinned`): every worker on a core of its own with one torch thread (decode
+on core 1, prefill on core 0), the offline engine on core 1 with one thread; `floating`: no
+pinning, colocated on 2 CPUs with 2 threads. Offline runs replay the same arrival times at the
+decode replica's thread count; served runs stream `/v1/completions`, timing every chunk.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -28,7 +31,8 @@ from pdserve.cluster.config import PdserveConfig
 NUM_SPECIAL_TOKENS = 3  # ids 0..2 are the generator's special tokens; prompts avoid them
 MODEL_NAME = "m"
 SIZES = {"small": "float32", "medium": "bfloat16"}
-MODES = {"colocated": 2, "disaggregated": 1}  # -> torch threads of the decode replica
+MODES = ("colocated", "disaggregated")
+DECODE_CORE, PREFILL_CORE = 1, 0  # pinned placement
 WORKLOADS = ("decode", "prompt", "mixed")
 IDLE_PROBES = 5  # short requests sent one by one to an idle server: the idle TTFT
 
@@ -67,27 +71,41 @@ def make_workload(name: str, vocab: int, scale: float, seed: int) -> Shape:
     return Shape(name, sorted(requests, key=lambda r: r.arrival_s), None)
 
 
-def server_config(path: Path, dtype: str, mode: str, port: int, interval_ms: float | None
-                  ) -> dict[str, Any]:
-    roles = ({"decode": {"replicas": 1, "resources": {"num_cpus": 2}}} if mode == "colocated"
-             else {"prefill": {"replicas": 1, "resources": {"num_cpus": 1}},
-                   "decode": {"replicas": 1, "resources": {"num_cpus": 1}}})
+def decode_threads(mode: str, pinned: bool) -> int:
+    """Torch threads of the decode replica: one per core it owns."""
+    return 2 if mode == "colocated" and not pinned else 1
+
+
+def server_config(path: Path, dtype: str, mode: str, port: int, interval_ms: float | None,
+                  pinned: bool, frontend: str = "direct") -> dict[str, Any]:
+    decode_cpus = decode_threads(mode, pinned)
+    roles: dict[str, Any] = {"decode": {"replicas": 1, "resources": {"num_cpus": decode_cpus}}}
+    engine: dict[str, Any] = {"num_kv_blocks": 2048, "max_num_seqs": 64, "device": "cpu"}
+    if mode == "disaggregated":
+        roles["prefill"] = {"replicas": 1, "resources": {"num_cpus": 1}}
+    if pinned:
+        engine["cpu_affinity"] = {"decode": [str(DECODE_CORE)]}
+        if mode == "disaggregated":
+            engine["cpu_affinity"]["prefill"] = [str(PREFILL_CORE)]
     router: dict[str, Any] = {"min_disaggregated_prompt_tokens": 32, "max_queued_requests": 256,
                               "request_timeout_s": 600}
     if interval_ms is not None:
         router["stream_interval_ms"] = interval_ms
     return {"model": {"path": str(path), "dtype": dtype}, "served_model_name": MODEL_NAME,
-            "engine": {"num_kv_blocks": 2048, "max_num_seqs": 64, "device": "cpu"},
-            "router": router, "handoff": {"timeout_s": 60},
-            "http": {"host": "127.0.0.1", "port": port}, "mode": mode, "roles": roles}
+            "engine": engine, "router": router, "handoff": {"timeout_s": 60},
+            "http": {"host": "127.0.0.1", "port": port, "frontend": frontend}, "mode": mode,
+            "roles": roles}
 
 
-def offline_runs(cfg: PdserveConfig, path: Path, threads: int, shapes: list[Shape]
-                 ) -> dict[str, RunResult]:
+def offline_runs(cfg: PdserveConfig, path: Path, threads: int, shapes: list[Shape],
+                 pinned: bool) -> dict[str, RunResult]:
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
     torch.set_num_threads(threads)
+    all_cores = os.sched_getaffinity(0)
+    if pinned:
+        os.sched_setaffinity(0, {DECODE_CORE})
     engine = LLMEngine(cfg.to_engine_config(str(path)))
     engine.generate([list(range(NUM_SPECIAL_TOKENS, NUM_SPECIAL_TOKENS + 32))],
                     SamplingParams(max_tokens=4, temperature=0.0))
@@ -97,6 +115,7 @@ def offline_runs(cfg: PdserveConfig, path: Path, threads: int, shapes: list[Shap
         results[shape.name] = run_offline(engine, shape.requests, shape.full_batch)
     del engine
     gc.collect()
+    os.sched_setaffinity(0, all_cores)
     return results
 
 
@@ -117,7 +136,7 @@ def _ms(seconds: float) -> str:
 
 
 def report(size: str, shape: Shape, offline_by_threads: dict[int, RunResult],
-           served: dict[str, tuple[RunResult, float]]) -> dict[str, Any]:
+           served: dict[str, tuple[RunResult, float]], pinned: bool) -> dict[str, Any]:
     """Print one workload's table; returns its figures for the JSON."""
     print(f"\n--- {size} / {shape.name}: {len(shape.requests)} requests ---")
     print(f"{'path':<26}{'tok/s':>9}{'x offline':>10}{'TTFT p50':>10}{'TTFT p90':>10}"
@@ -127,13 +146,13 @@ def report(size: str, shape: Shape, offline_by_threads: dict[int, RunResult],
         rows[f"offline-{threads}t"] = _row(f"offline ({threads} thread(s))", run, run)
     for label, (run, _idle) in served.items():
         mode = label.split(" ")[0]
-        rows[label] = _row(label, run, offline_by_threads[MODES[mode]])
+        rows[label] = _row(label, run, offline_by_threads[decode_threads(mode, pinned)])
         if run.failed:
             print(f"    {run.failed} failed: {'; '.join(run.notes)[:200]}")
     if shape.name == "mixed":
         print("  short streams among long prompts:")
         for label, (run, idle) in served.items():
-            base = offline_by_threads[MODES[label.split(' ')[0]]]
+            base = offline_by_threads[decode_threads(label.split(" ")[0], pinned)]
             p50, p99 = run.pct("tpot_s", 50, "short"), run.pct("tpot_s", 99, "short")
             ttft90 = run.pct("ttft_s", 90, "short")
             rows[label].update(short_tpot_p99_over_p50=p99 / p50,
@@ -165,7 +184,12 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["small", "medium"])
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    p.add_argument("--modes", nargs="+", choices=sorted(MODES), default=sorted(MODES))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--placement", choices=("pinned", "floating"), default="pinned",
+                   help="pinned: each worker and the offline engine on a core of its own, "
+                        "one thread; floating: no pinning, colocated with 2 threads")
+    p.add_argument("--frontend", choices=("direct", "proxy"), default="direct",
+                   help="http.frontend: each ingress replica's own port, or Serve's proxy")
     p.add_argument("--stream-interval-ms", type=float, nargs="+", default=[None],
                    help="router.stream_interval_ms, one server per value (default: the "
                         "config's default)")
@@ -180,6 +204,8 @@ def main() -> None:
     args = parse_args()
     offline()
     started, results = time.perf_counter(), {}
+    pinned = args.placement == "pinned"
+    print(f"placement: {args.placement}; machine load {os.getloadavg()[0]:.2f}", flush=True)
     for size in args.sizes:
         path = ensure_checkpoint(args.model_dir, "llama", size, dtype=SIZES[size])
         from transformers import AutoConfig
@@ -187,26 +213,28 @@ def main() -> None:
         vocab = AutoConfig.from_pretrained(str(path)).vocab_size
         shapes = [make_workload(w, vocab, args.scale, args.seed) for w in args.workloads]
         base_cfg = PdserveConfig.model_validate(
-            server_config(path, SIZES[size], "colocated", args.port, None))
-        offline_by_threads = {t: offline_runs(base_cfg, path, t, shapes)
-                              for t in sorted({MODES[m] for m in args.modes})}
+            server_config(path, SIZES[size], "colocated", args.port, None, pinned=False))
+        offline_by_threads = {t: offline_runs(base_cfg, path, t, shapes, pinned)
+                              for t in sorted({decode_threads(m, pinned) for m in args.modes})}
         served: dict[str, dict[str, tuple[RunResult, float]]] = {s.name: {} for s in shapes}
         for mode in args.modes:
             for interval in args.stream_interval_ms:
                 label = mode if interval is None else f"{mode} {interval:g}ms"
-                runs, idle = served_runs(server_config(path, SIZES[size], mode, args.port,
-                                                       interval), args.port, shapes, label)
+                config = server_config(path, SIZES[size], mode, args.port, interval, pinned,
+                                       args.frontend)
+                runs, idle = served_runs(config, args.port, shapes, label)
                 for name, run in runs.items():
                     served[name][label] = (run, idle)
         for shape in shapes:
             results[f"{size}/{shape.name}"] = report(
                 size, shape, {t: r[shape.name] for t, r in offline_by_threads.items()},
-                served[shape.name])
-    print(f"\nsaved {save_json('serving_overhead', {'results': results})}")
+                served[shape.name], pinned)
+    name = f"serving_overhead_{args.placement}"
+    print(f"\nsaved {save_json(name, {'placement': args.placement, 'results': results})}")
     panels = [(key, "served / offline tok/s", {label.replace(' ', '\n'): row["x_offline"]
                                                for label, row in rows.items()})
               for key, rows in results.items()]
-    plot = bar_chart("serving_overhead", panels, "served / offline output tok/s", fmt="%.2f")
+    plot = bar_chart(name, panels, "served / offline output tok/s", fmt="%.2f")
     print(f"plot {plot}")
     print(f"total benchmark time {time.perf_counter() - started:.0f} s")
 
