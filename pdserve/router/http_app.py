@@ -5,8 +5,6 @@ Errors leave as OpenAI error bodies (`http_errors.install_error_handlers`).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +15,7 @@ from pdserve.router.http_errors import install_error_handlers
 from pdserve.router.http_guard import HttpGuard
 from pdserve.router.openapi import install_openapi
 from pdserve.router.protocol import ModelCard, ModelList, unix_time
+from pdserve.router.race import Overtaken, unless
 
 if TYPE_CHECKING:
     from pdserve.router.ingress import Ingress
@@ -62,19 +61,10 @@ async def until_disconnected(request: Request, answer: Awaitable[Response]) -> R
     """Await ``answer``, cancelling it when the client disconnects first: nothing else would
     stop a whole (non-streamed) generation nobody will read. A stream's response watches
     for the disconnect itself once it has started."""
-    task = asyncio.ensure_future(answer)
-    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    if task.cancelled():
+        return await unless(answer, _disconnected(request))
+    except Overtaken:
         return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-    return task.result()
 
 
 async def _disconnected(request: Request) -> None:

@@ -5,7 +5,6 @@ Text out is exactly what the engines produced; this file adds no tokens, only ro
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill.api import PrefillRequest, PrefillResult
 from pdserve.router.errors import OverloadedError, ServiceUnavailableError
 from pdserve.router.prefill_load import LocalPrefillPolicy, PrefillLoad
+from pdserve.router.race import Overtaken, unless
 from pdserve.router.roles import RoleMonitor, replica_died
 from pdserve.router.timings import RequestTimings
 
@@ -199,20 +199,10 @@ class GenerationPipeline:
         gone = self.roles.gone("prefill")
         if gone.is_set():
             raise _PrefillGone
-
-        async def answer() -> PrefillResult:
-            return await call  # type: ignore[no-any-return]
-
-        answered, gave_up = asyncio.ensure_future(answer()), asyncio.ensure_future(gone.wait())
         try:
-            await asyncio.wait((answered, gave_up), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gave_up.cancel()
-            if not answered.done():
-                answered.cancel()
-        if answered.cancelled():
-            raise _PrefillGone
-        return answered.result()
+            return await unless(call, gone.wait())  # type: ignore[no-any-return]
+        except Overtaken:
+            raise _PrefillGone from None
 
     def _note_failure(self, role: str, exc: BaseException) -> None:
         if self.roles is not None and replica_died(exc):

@@ -104,3 +104,16 @@ def listening_sockets(pids: list[int]) -> list[ListeningSocket]:
                     if protocol == "udp" or state == _TCP_LISTEN:
                         found.append(ListeningSocket(pid, title(pid), protocol, host, port))
     return found
+
+
+def replica_pids(app: str, role: str) -> list[int]:
+    """Pids of app ``app``'s ``role`` replicas among this test process's descendants."""
+    marker = f"ray::ServeReplica:{app}:{role}"
+    return [pid for pid in descendants(os.getpid()) if title(pid).startswith(marker)]
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024.0
+    raise AssertionError(f"no VmRSS for {pid}")

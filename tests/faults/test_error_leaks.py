@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 from edge_apps import assert_openai_error
-from fault_processes import descendants, title
+from fault_processes import replica_pids
 from served import app_config, wait_for
 
 if TYPE_CHECKING:
@@ -45,8 +45,7 @@ def leak_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterato
 
 
 def _decode_replica_pid() -> int:
-    pids = [pid for pid in descendants(os.getpid())
-            if title(pid).startswith(f"ray::ServeReplica:{APP}:decode")]
+    pids = replica_pids(APP, "decode")
     assert len(pids) == 1, pids
     return pids[0]
 

@@ -11,11 +11,11 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from fault_processes import replica_pids
 from served import wait_for
 
 from pdserve.engine.engine import LLMEngine
@@ -54,18 +54,6 @@ def greedy(tiny_checkpoints: dict[str, str]) -> dict[int, str]:
         ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(long_conv(i)))
         out[i] = engine.tokenizer.decode(engine.generate([ids], params)[0])
     return out
-
-
-def replica_pids(app: str, role: str) -> list[int]:
-    marker = f"ServeReplica:{app}:{role}".encode()
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker in Path(f"/proc/{entry}/cmdline").read_bytes():
-                pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
 
 
 def chat(url: str, i: int, stream: bool = False, timings: bool = False) -> httpx.Response:

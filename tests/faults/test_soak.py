@@ -15,11 +15,11 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+from fault_processes import replica_pids, rss_mb
 from served import wait_for
 
 from pdserve.engine.engine import LLMEngine
@@ -57,25 +57,6 @@ def greedy(tiny_checkpoints: dict[str, str]) -> list[str]:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [engine.tokenizer.decode(engine.generate([engine.tokenizer.encode(p)], params)[0])
             for p in PROMPTS]
-
-
-def role_pids(role: str) -> list[int]:
-    marker = f"ServeReplica:{APP}:{role}".encode()
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if marker in Path(f"/proc/{entry}/cmdline").read_bytes():
-                found.append(int(entry))
-        except OSError:
-            continue
-    return found
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024.0
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 class Client(threading.Thread):
@@ -139,12 +120,12 @@ def test_soak_with_cancellations_and_a_replica_kill(ray_serve: ServedApps, soak_
     for client in clients:
         client.start()
     time.sleep(min(10.0, SOAK_S / 4))  # warmed up: caches, pools and buffers at their size
-    [ingress] = role_pids("ingress")
-    [survivor] = role_pids("decode")
+    [ingress] = replica_pids(APP, "ingress")
+    [survivor] = replica_pids(APP, "decode")
     rss_start = {pid: rss_mb(pid) for pid in (ingress, survivor)}
     deadline = time.monotonic() + SOAK_S
     time.sleep(SOAK_S / 2)
-    [victim] = role_pids("prefill")
+    [victim] = replica_pids(APP, "prefill")
     os.kill(victim, signal.SIGKILL)
     time.sleep(max(0.0, deadline - time.monotonic()))
     stop.set()
