@@ -14,9 +14,11 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.choices import choice_params, gather_or_cancel, merged
+from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import OverloadedError
 from pdserve.router.ingress import Ingress, IngressSettings
-from pdserve.router.pipeline import GenerationDelta, PipelineSettings, RequestTrace
+from pdserve.router.pipeline import PipelineSettings
+from pdserve.router.timings import RequestTrace
 
 
 def test_choice_seeds_move_on_by_the_index_and_wrap() -> None:
@@ -134,7 +136,8 @@ class _RecordingPipeline:
 
 
 def _ingress(checkpoint: str, pipeline: _RecordingPipeline) -> Ingress:
-    settings = IngressSettings(checkpoint, "tiny", 256, 8, 30.0, PipelineSettings("colocated", 16))
+    settings = IngressSettings(checkpoint, "tiny", 256, 8, 30.0, PipelineSettings("colocated", 16),
+                               plane_token="a-cluster-token-0123456789")
     ingress = Ingress(decode=None, prefill=None, settings=settings)
     ingress.pipeline = pipeline  # type: ignore[assignment]
     return ingress

@@ -34,9 +34,10 @@ def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> s
     from pdserve.cluster.config import parse_config
 
     cfg = parse_config(app_config(tiny_checkpoints["llama"], "disaggregated"), source="fallback")
-    good = dataclasses.replace(handoff_config(cfg), default_timeout_s=3.0)
+    token = cfg.resolve_auth_token()
+    good = dataclasses.replace(handoff_config(cfg, token), default_timeout_s=3.0)
     wrong = dataclasses.replace(good, auth_token="a-different-cluster-token-987654")
-    app = build_application(cfg, tiny_checkpoints["llama"], good, wrong)
+    app = build_application(cfg, tiny_checkpoints["llama"], good, wrong, token)
     serve.run(app, name="fallback", route_prefix="/fallback")
     yield served_apps.url("fallback")
     serve.delete("fallback")
