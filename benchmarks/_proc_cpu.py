@@ -85,8 +85,9 @@ def role_of(title: str) -> str | None:
 
 def role_cpu(before: dict[int, ProcessCPU], after: dict[int, ProcessCPU]
              ) -> dict[str, float]:
-    """CPU seconds spent between the snapshots per role, plus ``<role>.engine`` for the
-    engine thread of each worker role (processes of one role summed)."""
+    """CPU seconds spent between the snapshots per role, and per thread name within each
+    role as ``<role>.<thread>`` (``decode.pdserve-engine`` is decode's engine thread);
+    processes of one role summed."""
     spent: dict[str, float] = {}
     for pid, end in after.items():
         role = role_of(end.title)
@@ -94,8 +95,15 @@ def role_cpu(before: dict[int, ProcessCPU], after: dict[int, ProcessCPU]
         if role is None or start is None:
             continue
         spent[role] = spent.get(role, 0.0) + end.total_s - start.total_s
-        engine = end.by_thread_s.get(ENGINE_THREAD, 0.0) - start.by_thread_s.get(
-            ENGINE_THREAD, 0.0)
-        if role in ("decode", "prefill"):
-            spent[f"{role}.engine"] = spent.get(f"{role}.engine", 0.0) + engine
+        for name, seconds in end.by_thread_s.items():
+            key = f"{role}.{name}"
+            spent[key] = spent.get(key, 0.0) + seconds - start.by_thread_s.get(name, 0.0)
     return spent
+
+
+def busiest_threads(spent: dict[str, float], role: str, count: int = 4
+                    ) -> list[tuple[str, float]]:
+    """A role's ``count`` threads that spent the most CPU (by name)."""
+    rows = [(key.split(".", 1)[1], s) for key, s in spent.items()
+            if key.startswith(f"{role}.")]
+    return sorted(rows, key=lambda row: -row[1])[:count]

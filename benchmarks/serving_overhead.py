@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from _common import DEFAULT_MODEL_DIR, bar_chart, ensure_checkpoint, offline, save_json
 from _overhead_runs import Request, RunResult, pdserve_serve, run_offline, run_served
+from _proc_cpu import ENGINE_THREAD, busiest_threads
 
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.workloads import PromptSpec
@@ -177,17 +178,22 @@ def cpu_report(label: str, run: RunResult, base: RunResult) -> dict[str, float]:
     offline engine's CPU per token."""
     us = run.cpu_us_per_token
     offline_us = base.cpu_us_per_token("engine")
-    decode_rest = us("decode") - us("decode.engine")
+    engine_key = f"decode.{ENGINE_THREAD}"
+    decode_rest = us("decode") - us(engine_key)
     outside = us("ingress") + decode_rest + (us("proxy") if "proxy" in run.cpu_s else 0.0)
     figures = {"cpu_us_ingress": us("ingress"), "cpu_us_decode": us("decode"),
-               "cpu_us_decode_engine": us("decode.engine"), "cpu_us_decode_rest": decode_rest,
+               "cpu_us_decode_engine": us(engine_key), "cpu_us_decode_rest": decode_rest,
                "cpu_us_prefill": us("prefill"), "cpu_us_proxy": us("proxy"),
                "cpu_us_outside_engine": outside, "cpu_us_offline": offline_us,
                "decode_cpu_over_offline": us("decode") / offline_us}
     print(f"    {label:<24} ingress {us('ingress'):,.0f}, decode {us('decode'):,.0f} (engine "
-          f"thread {us('decode.engine'):,.0f}, other threads {decode_rest:,.0f}), prefill "
+          f"thread {us(engine_key):,.0f}, other threads {decode_rest:,.0f}), prefill "
           f"{us('prefill'):,.0f}, proxy {us('proxy'):,.0f}; outside the engine {outside:,.0f}"
           f"; decode / offline engine ({offline_us:,.0f}) {figures['decode_cpu_over_offline']:.2f}")
+    for role in ("decode", "ingress"):
+        threads = ", ".join(f"{name} {seconds / max(run.num_tokens, 1) * 1e6:,.0f}"
+                            for name, seconds in busiest_threads(run.cpu_s, role))
+        print(f"    {'':<24}   {role} threads (us/token): {threads}")
     return figures
 
 

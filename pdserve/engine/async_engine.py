@@ -7,8 +7,6 @@ thread, between steps, so the engine itself needs no locks.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import dataclasses
 import logging
 import queue
@@ -22,6 +20,7 @@ from pdserve.engine.engine import LayerHook, LLMEngine, RequestOutput
 from pdserve.engine.errors import EngineError
 from pdserve.engine.request import RequestMode
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.threads import name_native_thread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -213,16 +212,6 @@ class AsyncEngine:
             except queue.Empty:
                 return
             future.set_exception(dead)
-
-
-def name_native_thread(name: str) -> None:
-    """Give the calling thread ``name`` at the OS level too (Linux), so per-thread CPU in
-    /proc/PID/task and profilers can tell the engine thread from the rest."""
-    libc_name = ctypes.util.find_library("c")
-    if libc_name is None:
-        return
-    pr_set_name = 15
-    ctypes.CDLL(libc_name).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
 
 
 def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:

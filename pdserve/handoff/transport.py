@@ -20,6 +20,7 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import torch
 
+from pdserve.engine.threads import name_native_thread
 from pdserve.handoff.config import HandoffConfig
 from pdserve.handoff.kvcopy import check_contiguous
 from pdserve.handoff.liveness import pid_scope
@@ -79,7 +80,9 @@ class HandoffTransport:
         self.instance_id = int.from_bytes(os.urandom(8), "little") >> 1
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="pdserve-handoff", daemon=True)
-        self._payload = concurrent.futures.ThreadPoolExecutor(1, "pdserve-handoff-payload")
+        self._payload = concurrent.futures.ThreadPoolExecutor(
+            1, "pdserve-handoff-payload", initializer=name_native_thread,
+            initargs=("pdserve-payload",))
         self._handlers: dict[Kind, FrameHandler] = {}
         self._shutdown_hooks: list[Callable[[], None]] = []
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -110,6 +113,7 @@ class HandoffTransport:
         return bytes(ucxx.get_worker_address().tobytes())
 
     def _run_loop(self) -> None:
+        name_native_thread(self._thread.name)
         asyncio.set_event_loop(self._loop)
         self._loop.run_forever()
 
