@@ -17,7 +17,7 @@ from pdserve.bench.compare import compare_main
 from pdserve.bench.plan_command import plan_command
 from pdserve.bench.serve_launcher import ServeLauncher
 from pdserve.bench.slo import parse_goodput
-from pdserve.cluster.cli import build_parser, main
+from pdserve.cli import build_parser, main
 from pdserve.cluster.config import load_config
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Endpoint, send_request
 from pdserve.bench.runner import LoadSpec, prepare, run_load
 from pdserve.bench.workloads import PromptSpec
-from pdserve.cluster.cli import main
+from pdserve.cli import main
 
 
 def _one(server: FakeServer, endpoint: Endpoint, prompt: PromptSpec):

@@ -12,8 +12,8 @@ from ray.serve import Application
 from ray.serve._private.build_app import build_app
 from ray.serve.schema import ServeDeploySchema
 
+from pdserve.cli import main
 from pdserve.cluster.app import build
-from pdserve.cluster.cli import main
 from pdserve.cluster.config import parse_config
 from pdserve.cluster.frontend import MAX_INGRESS_REPLICAS_PER_NODE
 from pdserve.cluster.serve_config import BUILDER_PATH, autoscaling_policy, serve_deploy_config
