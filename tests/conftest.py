@@ -63,8 +63,8 @@ def served_apps(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Serv
     from served import app_config
 
     path = tiny_checkpoints["llama"]
-    for name, mode, router in (("disagg", "disaggregated", {"max_queued_requests": 64}),
-                               ("colo", "colocated", {"max_queued_requests": 4}),
+    for name, mode, router in (("disagg", "disaggregated", {"max_in_flight_requests": 64}),
+                               ("colo", "colocated", {"max_in_flight_requests": 4}),
                                ("batched", "disaggregated", {"stream_interval_ms": 50})):
         ray_serve.start_app(name, app_config(path, mode, **router))
     return ray_serve

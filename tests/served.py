@@ -43,7 +43,7 @@ def app_config(model_path: str, mode: str, **router: Any) -> dict[str, Any]:
                    "max_num_seqs": 48, "device": "cpu"},
         "mode": mode,
         "roles": roles,
-        "router": {"min_disaggregated_prompt_tokens": 16, "max_queued_requests": 64,
+        "router": {"min_disaggregated_prompt_tokens": 16, "max_in_flight_requests": 64,
                    "request_timeout_s": 120} | router,
         "handoff": {"auth_token": HANDOFF_TOKEN, "timeout_s": 20},
     }

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
@@ -37,12 +36,6 @@ def tokens_event(out: RequestOutput, prefilled_here: bool = True) -> DecodeEvent
     )
 
 
-def handoff_error_kind(exc: HandoffError) -> str:
-    """HandoffTimeoutError -> "timeout", HandoffPeerGoneError -> "peer_gone", ..."""
-    name = type(exc).__name__.removeprefix("Handoff").removesuffix("Error") or "other"
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
 class DecodeWorker:
     """One decode replica: an engine on its own thread plus a handoff receiver.
 
@@ -51,12 +44,17 @@ class DecodeWorker:
     after `cancel` returns (no more writes) may the engine free them.
     """
 
-    def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None) -> None:
+    def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None,
+                 reserve_timeout_s: float) -> None:
+        """``handoff_config`` None: no KV arrives (colocated); ``reserve_timeout_s``: how long
+        a prompt whose KV is coming waits for free blocks (handoff.reserve_timeout_s)."""
         configure_logging()
-        self.cpu_claim = apply_cpu_settings(engine_config, "decode")  # before any engine thread
+        # Before any engine thread starts: threads inherit the binding.
+        self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
+                                            "decode")
         self.engine = LLMEngine(engine_config)
         self.async_engine = AsyncEngine(self.engine)
-        self.reserve_timeout_s = handoff_config.default_timeout_s if handoff_config else 30.0
+        self.reserve_timeout_s = reserve_timeout_s
         self.transport: HandoffTransport | None = None
         self.receiver: HandoffReceiver | None = None
         if handoff_config is not None:
@@ -100,7 +98,7 @@ class DecodeWorker:
                 finished = True
                 await self.async_engine.call(lambda: self.engine.abort(rid))
                 yield DecodeEvent(kind="handoff_failed", reason=str(exc),
-                                  error_kind=handoff_error_kind(exc))
+                                  error_kind=exc.code)
                 return
             first = await self.async_engine.call(
                 lambda: self.engine.activate_received(rid, fence.first_token_id))

@@ -41,9 +41,14 @@ class PrefillWorker:
     cancelled). Full blocks then stay in the prefix cache.
     """
 
-    def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig,
+                 drain_timeout_s: float) -> None:
+        """``drain_timeout_s``: how long a stopping replica waits for its transfers in flight
+        (handoff.drain_timeout_s)."""
         configure_logging()
-        self.cpu_claim = apply_cpu_settings(engine_config, "prefill")  # before any engine thread
+        # Before any engine thread starts: threads inherit the binding.
+        self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
+                                            "prefill")
         self.transport = HandoffTransport(handoff_config).start()
         try:
             self.engine = LLMEngine(engine_config)
@@ -56,9 +61,8 @@ class PrefillWorker:
         self._tickets: dict[str, tuple[HandoffTicket, int]] = {}
         self._transfers: dict[str, OutboundTransfer] = {}
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
-        self.num_transfers_failed = 0
         self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
-        self.drain_timeout_s = handoff_config.default_timeout_s
+        self.drain_timeout_s = drain_timeout_s
         logger.info("prefill worker ready: %d KV blocks of %d tokens",
                     self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
 
@@ -133,7 +137,6 @@ class PrefillWorker:
     def _on_released(self, request_id: str, result: SendResult) -> None:
         """Handoff thread: no send reads the blocks any more; free them on the engine thread."""
         if not result.ok:
-            self.num_transfers_failed += 1
             logger.warning("handoff of %s failed: %s", request_id, result.error)
         self.async_engine.submit(lambda: self._forget(request_id))
 

@@ -31,9 +31,9 @@ class PipelineSettings:
     # cost more than recomputing it.
     min_disaggregated_prompt_tokens: int
     # Longer prompts too, while the prefill role is busy (see prefill_load.py).
-    local_prefill: LocalPrefillPolicy = LocalPrefillPolicy(max_local_tokens=0, queue_factor=0)
+    local_prefill: LocalPrefillPolicy
     # A stream's tokens cross from decode at most once per interval (the first at once).
-    stream_interval_s: float = 0.0
+    stream_interval_s: float
 
 
 @dataclass(frozen=True)

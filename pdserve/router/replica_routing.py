@@ -40,8 +40,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Send a prompt where its prefix went last, unless that replica lags: for prefill (the
     prefix is computed already) and for decode (its KV need not be sent again)."""
 
-    def initialize_state(self, block_size: int = 16, max_prefix_blocks: int = 64,
+    def initialize_state(self, block_size: int, max_prefix_blocks: int = 64,
                          max_imbalance: int = 4, **_: Any) -> None:
+        """``block_size``: engine.block_size (the app passes it), so hashes cover whole blocks."""
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.max_imbalance = max_imbalance

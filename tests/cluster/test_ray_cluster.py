@@ -95,11 +95,11 @@ def metric_value(text: str, name: str) -> float:
 
 
 def reference_text(model_path: str) -> str:
+    from pdserve.cluster.config import engine_config
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.engine_config import EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model_path=model_path, num_kv_blocks=128))
+    engine = LLMEngine(engine_config(model_path, num_kv_blocks=128))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": LONG_PROMPT}])
     [tokens] = engine.generate([engine.tokenizer.encode(prompt)], SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))

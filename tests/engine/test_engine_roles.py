@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.request import RequestMode
 from pdserve.engine.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ def loaded(tiny_checkpoints: dict[str, str]) -> LoadedModel:
 def engine(loaded: LoadedModel, path: str, **kw: object) -> LLMEngine:
     settings: dict[str, object] = {"num_kv_blocks": 256, "block_size": 8}
     settings.update(kw)
-    return LLMEngine(EngineConfig(model_path=path, **settings), loaded=loaded)  # type: ignore[arg-type]
+    return LLMEngine(engine_config(path, **settings), loaded=loaded)  # type: ignore[arg-type]
 
 
 def run_until_finished(e: LLMEngine, request_id: str) -> tuple[list[int], str, str | None]:

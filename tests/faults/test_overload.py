@@ -29,7 +29,7 @@ def edge_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterato
     from served import app_config
 
     with ray_serve.deploy("edge", app_config(tiny_checkpoints["llama"], "colocated",
-                                             max_queued_requests=LIMIT)) as url:
+                                             max_in_flight_requests=LIMIT)) as url:
         yield url
 
 

@@ -18,8 +18,8 @@ import pytest
 from fault_processes import replica_pids
 from served import wait_for
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ def faults_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Itera
 
 @pytest.fixture(scope="module")
 def greedy(tiny_checkpoints: dict[str, str]) -> dict[int, str]:
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=256))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=256))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     out = {}
     for i in range(12):

@@ -18,7 +18,8 @@ from typing import Any
 
 TEST_CONFIG: dict[str, Any] = {
     "auth_token": "test-cluster-secret",
-    "default_timeout_s": 10.0,
+    "timeout_s": 10.0,
+    "net_devices": None,
     "heartbeat_interval_s": 0.2,
     "peer_timeout_s": 1.5,
     "handshake_timeout_s": 5.0,

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> s
     from pdserve.cluster.config import parse_config
 
     cfg = parse_config(app_config(tiny_checkpoints["llama"], "disaggregated"), source="fallback")
-    good = dataclasses.replace(handoff_config(cfg), default_timeout_s=3.0)
+    good = dataclasses.replace(handoff_config(cfg), timeout_s=3.0)
     wrong = dataclasses.replace(good, auth_token="a-different-cluster-token-987654")
     app = build_application(cfg, tiny_checkpoints["llama"], good, wrong)
     serve.run(app, name="fallback", route_prefix="/fallback")
@@ -45,7 +45,7 @@ def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> s
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_failed_handoff_recomputes_with_parity(fallback_app: str, served_apps: ServedApps,
                                                tiny_checkpoints, temperature: float) -> None:
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=128))
     before = httpx.get(f"{fallback_app}/metrics", timeout=30).text
     for prompt in PROMPTS:
         conv = [{"role": "user", "content": prompt}]

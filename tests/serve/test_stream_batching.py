@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ PROMPT = "Write about the lighthouse keeper and the ships he counted, at length.
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints: dict[str, str]) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=256))
+    return LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=256))
 
 
 def stream_chunks(url: str, body: dict) -> list[dict]:
