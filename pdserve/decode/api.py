@@ -55,7 +55,7 @@ class DecodeEvent:
     # KV); "ticket": prompt tokens whose KV it already holds, so the ticket leaves them out.
     num_cached_tokens: int = 0
     reason: str = ""
-    # "handoff_failed": what failed, in a word from the error's class (timeout, digest, ...).
+    # "handoff_failed": what failed, the error's `HandoffError.code` (timeout, digest, ...).
     error_kind: str = ""
     # Disaggregated path only: seconds from the ticket until the fence verified (this
     # overlaps the prefill), and the KV bytes that arrived.

@@ -47,16 +47,9 @@ class KVReceiver(ABC):
         (counts, coverage, combined digest) verified; or raises the `HandoffError` that ended
         the transfer. Either way no write into the blocks follows."""
 
-    def wait_ready(self, request_id: str, timeout: float | None = None) -> FenceInfo:
-        """Block until ready (see `ready_future`). The builtin TimeoutError means only this
-        wait timed out: the transfer goes on."""
-        try:
-            return self.ready_future(request_id).result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"request {request_id!r} not ready within {timeout}s") from None
-
     async def wait_ready_async(self, request_id: str, timeout: float | None = None) -> FenceInfo:
-        """`wait_ready` for asyncio code (any event loop)."""
+        """Wait (asyncio, any event loop) until ready (see `ready_future`). The builtin
+        TimeoutError means only this wait timed out: the transfer goes on."""
         future = asyncio.wrap_future(self.ready_future(request_id))
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)

@@ -90,14 +90,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
         expected = entry[0] if entry is not None and not forged else None
         assert self.pool.lookup(block_hash, tokens) == expected
 
-    @rule()
-    def reset(self) -> None:
-        expected = not any(self.refs)
-        if expected:
-            self.cached.clear()
-            self.hash_of.clear()
-        assert self.pool.reset_prefix_cache() is expected
-
     @invariant()
     def matches_model(self) -> None:
         self.pool.check_integrity()

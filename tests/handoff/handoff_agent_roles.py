@@ -109,7 +109,7 @@ class Roles:
     def wait(self, request_id: str, timeout: float) -> dict[str, Any]:
         assert self.receiver is not None
         try:
-            info = self.receiver.wait_ready(request_id, timeout)
+            info = self.receiver.ready_future(request_id).result(timeout)
         except HandoffError as exc:
             return {**outcome(exc), "ended_at": time.monotonic()}
         return {**outcome(info), "ended_at": time.monotonic()}
