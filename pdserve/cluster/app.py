@@ -40,6 +40,10 @@ def handoff_config(cfg: PdserveConfig) -> HandoffConfig:
     )
 
 
+# How often Serve asks each worker for its load (`record_routing_stats`); the role's request
+# router and the ingress (path choice, /metrics) both read the answer.
+LOAD_REPORT_PERIOD_S = 1.0
+
 # Serve stops a prefill replica at most this long after its drain may begin: the drain
 # (handoff.drain_timeout_s) plus time for the worker's own shutdown.
 PREFILL_SHUTDOWN_MARGIN_S = 10.0
@@ -56,14 +60,14 @@ ROUTERS = {
 }
 
 
-def _request_router(cfg: PdserveConfig, role: str) -> RequestRouterConfig | None:
+def _request_router(cfg: PdserveConfig, role: str) -> RequestRouterConfig:
     policy = cfg.router.prefill_policy if role == "prefill" else cfg.router.decode_policy
     router_class = ROUTERS[policy]
-    if router_class is None:
-        return None
+    if router_class is None:  # Serve's own router; the workers report their load all the same
+        return RequestRouterConfig(request_routing_stats_period_s=LOAD_REPORT_PERIOD_S)
     kwargs = {"block_size": cfg.engine.block_size} if policy == "prefix_affinity" else {}
     return RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs,
-                               request_routing_stats_period_s=2)
+                               request_routing_stats_period_s=LOAD_REPORT_PERIOD_S)
 
 
 def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
@@ -72,9 +76,7 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
     assert plan is not None
     options: dict[str, Any] = {"name": role, "ray_actor_options": role_cfg.ray_actor_options(),
                                "max_ongoing_requests": cfg.engine.max_num_seqs * 2}
-    router = _request_router(cfg, role)
-    if router is not None:
-        options["request_router_config"] = router
+    options["request_router_config"] = _request_router(cfg, role)
     if role == "prefill":
         # Serve stops a replica this long after its last call returned at most; the KV of
         # those calls is still sending (the worker drains it in __del__).

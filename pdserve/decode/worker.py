@@ -20,7 +20,7 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 from pdserve.log import configure_logging
-from pdserve.replica import replica_id
+from pdserve.replica import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -144,19 +144,14 @@ class DecodeWorker:
         """The KV receiver's counters (pieces landed and drained; transfers by outcome)."""
         return {} if self.receiver is None else asdict(self.receiver.stats())
 
-    def role_stats(self) -> dict[str, Any]:
-        """This replica's KV use and queues for the ingress's health and metrics (read
-        without the engine thread: counters only, no integrity check)."""
-        kv, sched = self.engine.kv_manager, self.engine.scheduler
-        return {"replica_id": replica_id(), "num_blocks": kv.num_blocks,
-                "num_free_blocks": kv.num_free_blocks, "num_running": sched.num_running,
-                "num_waiting": sched.num_waiting + sched.num_awaiting_kv}
-
     def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve calls this periodically; the decode request router ranks replicas on it."""
-        kv = self.engine.kv_manager
-        return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
-                "num_running": self.engine.scheduler.num_running}
+        """This replica's load (`WorkerLoad`), which Serve asks for on the role's timer and
+        hands to the decode request router and the ingress (counters read without the
+        engine thread: no integrity check)."""
+        kv, sched = self.engine.kv_manager, self.engine.scheduler
+        return WorkerLoad(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+                          num_running=sched.num_running,
+                          num_waiting=sched.num_waiting + sched.num_awaiting_kv).to_stats()
 
     def check_health(self) -> None:
         if self.async_engine.is_dead:

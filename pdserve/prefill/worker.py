@@ -27,7 +27,7 @@ from pdserve.handoff import (
 )
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
-from pdserve.replica import replica_id
+from pdserve.replica import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -151,18 +151,13 @@ class PrefillWorker:
     async def kv_stats(self) -> dict[str, Any]:
         return asdict(await self.async_engine.call(self.engine.kv_stats))
 
-    def role_stats(self) -> dict[str, Any]:
-        """This replica's KV use and queues for the ingress (counters only)."""
-        kv, sched = self.engine.kv_manager, self.engine.scheduler
-        return {"replica_id": replica_id(), "num_blocks": kv.num_blocks,
-                "num_free_blocks": kv.num_free_blocks, "num_running": sched.num_running,
-                "num_waiting": sched.num_waiting, "num_queued_tokens": self.num_queued_tokens}
-
     def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve calls this periodically; the prefill request router ranks replicas on it."""
-        kv = self.engine.kv_manager
-        return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
-                "num_waiting": self.engine.scheduler.num_waiting}
+        """This replica's load (`WorkerLoad`), which Serve asks for on the role's timer and
+        hands to the prefill request router and the ingress (counters only)."""
+        kv, sched = self.engine.kv_manager, self.engine.scheduler
+        return WorkerLoad(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+                          num_running=sched.num_running, num_waiting=sched.num_waiting,
+                          num_queued_tokens=self.num_queued_tokens).to_stats()
 
     def check_health(self) -> None:
         if self.async_engine.is_dead:
