@@ -19,13 +19,13 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from local_ray import LocalRayCluster, start_head, wait_for
-from served import free_port_range
 
 from pdserve.cluster.capacity import RatioBand, check_ratio_band, parse_ratio
 from pdserve.cluster.config import parse_config
-from pdserve.cluster.frontend import MAX_INGRESS_REPLICAS_PER_NODE, direct_ingress_env
+from pdserve.cluster.frontend import direct_ingress_env, free_http_port
 from pdserve.cluster.serve_config import serve_deploy_config
+from tests.cluster.local_ray import LocalRayCluster, start_head
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -68,7 +68,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoints: dict[str, str]) -> Iterator[Cluster]:
     # Every node runs Serve as the cluster files start it: the ingress serves http.port.
-    http_port = free_port_range(MAX_INGRESS_REPLICAS_PER_NODE + 1)
+    http_port = free_http_port()
     ray = start_head(num_cpus=2, resources={"pd_prefill": 4},
                      extra_env=direct_ingress_env(http_port))
     try:

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-from cpu_claim_child import affinity, claim_and_hold
 
 from pdserve.engine.cpu_affinity import (
     CpuAffinityError,
@@ -18,6 +17,7 @@ from pdserve.engine.cpu_affinity import (
     format_cpu_list,
     parse_cpu_list,
 )
+from tests.engine.cpu_claim_child import affinity, claim_and_hold
 
 CTX = multiprocessing.get_context("spawn")
 CORES = sorted(os.sched_getaffinity(0))

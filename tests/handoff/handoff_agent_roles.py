@@ -10,7 +10,6 @@ from dataclasses import asdict, fields
 from typing import Any
 
 import torch
-from handoff_faults import clear_faults, install_receiver_faults, install_sender_faults
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff import (
@@ -20,6 +19,11 @@ from pdserve.handoff import (
     HandoffTicket,
     HandoffTransport,
     OutboundTransfer,
+)
+from tests.handoff.handoff_faults import (
+    clear_faults,
+    install_receiver_faults,
+    install_sender_faults,
 )
 
 

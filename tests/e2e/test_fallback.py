@@ -17,7 +17,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -27,19 +27,16 @@ PROMPTS = ["Tell me about the weather in spring and the birds that return. " * 2
 
 @pytest.fixture(scope="module")
 def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
-    from ray import serve
-    from served import app_config
-
     from pdserve.cluster.app import build_application, handoff_config
     from pdserve.cluster.config import parse_config
+    from tests.support.ray_serve import app_config
 
     cfg = parse_config(app_config(tiny_checkpoints["llama"], "disaggregated"), source="fallback")
     good = dataclasses.replace(handoff_config(cfg), timeout_s=3.0)
     wrong = dataclasses.replace(good, auth_token="a-different-cluster-token-987654")
     app = build_application(cfg, tiny_checkpoints["llama"], good, wrong)
-    serve.run(app, name="fallback", route_prefix="/fallback")
-    yield served_apps.url("fallback")
-    serve.delete("fallback")
+    yield served_apps.run_app("fallback", app)
+    served_apps.launcher.remove("fallback")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

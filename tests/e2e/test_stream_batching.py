@@ -15,7 +15,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING
 import httpx
 import openai
 import pytest
-from served import wait_for
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -18,10 +18,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def two_prefill_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
     from ray import serve
-    from served import app_config
 
     from pdserve.cluster.app import build_from_config
     from pdserve.cluster.config import parse_config
+    from tests.support.ray_serve import app_config
 
     raw = app_config(tiny_checkpoints["llama"], "disaggregated")
     raw["roles"]["prefill"]["replicas"] = raw["roles"]["decode"]["replicas"] = 2
