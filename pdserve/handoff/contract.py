@@ -1,6 +1,7 @@
 """The handoff's contract, written once: what a KV receiver (decode side) and a KV sender
 (prefill side) promise, and who owns which blocks when. `HandoffReceiver` and
-`HandoffSender` implement it over UCXX; nothing above them depends on more than this.
+`HandoffSender` implement it over UCXX; the workers construct those and call the methods
+declared here (plus their `stats()`).
 
 Block ownership during one transfer:
 
