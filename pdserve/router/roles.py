@@ -137,13 +137,15 @@ class RoleMonitor:
 
 def serve_routing_stats(handle: Any) -> list[tuple[str, Mapping[str, Any]]]:
     """(replica id, latest `record_routing_stats` answer) of each running replica, as Serve's
-    controller delivered them to this handle's router. Empty until the handle made its
-    first call (Serve starts the router then) and for replicas that have not reported yet.
+    controller delivered them to this handle's router; replicas that have not reported yet
+    are left out. A handle that made no call yet gets its router started here (empty until
+    Serve's first update reaches it).
 
     Serve (2.60) has no public call for these: its handle's router keeps the running
     replicas with their stats, and this reads them where it keeps them.
     """
-    if not getattr(handle, "is_initialized", False):
+    if not getattr(handle, "is_initialized", True):
+        handle.options()  # Serve starts a handle's router on its first options() or call
         return []
     router = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
     if router is None:

@@ -104,11 +104,15 @@ def test_loads_unreadable_from_serve_leave_the_roles_known() -> None:
     asyncio.run(run())
 
 
-def test_a_handle_that_made_no_call_yet_shows_no_loads() -> None:
+def test_a_handle_that_made_no_call_yet_is_started_and_shows_no_loads() -> None:
     class Fresh:
         is_initialized = False
 
-    assert serve_routing_stats(Fresh()) == []
+        def options(self) -> None:
+            self.is_initialized = True
+
+    handle = Fresh()
+    assert serve_routing_stats(handle) == [] and handle.is_initialized
 
 
 def test_replica_death_is_told_apart_from_other_failures() -> None:
