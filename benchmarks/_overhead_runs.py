@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import numpy as np
 import yaml
+from _proc_cpu import role_cpu, session_pids, snapshot
 
 from pdserve.bench.client import Endpoint
 from pdserve.bench.records import RequestRecord
@@ -59,6 +60,16 @@ class RunResult:
     decode_step_s: float = float("nan")  # offline only: mean decode-only step (see below)
     decode_batch: float = float("nan")  # ...and the mean number of rows in those steps
     notes: list[str] = field(default_factory=list)
+    # CPU seconds over the run: offline {"engine": the process}; served, per role
+    # (ingress, decode, prefill, proxy) and per worker's engine thread ("decode.engine").
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.output_tokens for s in self.samples)
+
+    def cpu_us_per_token(self, key: str) -> float:
+        return self.cpu_s.get(key, float("nan")) / max(self.num_tokens, 1) * 1e6
 
     def tok_per_s(self) -> float:
         return sum(s.output_tokens for s in self.samples) / self.duration_s
@@ -78,6 +89,7 @@ def run_offline(engine: Any, requests: Sequence[Request], full_batch: int | None
     from pdserve.engine.sampling_params import SamplingParams
 
     order = sorted(range(len(requests)), key=lambda i: requests[i].arrival_s)
+    cpu_start = os.times()
     stamps: dict[str, list[float]] = {}
     decode_steps: list[tuple[int, float]] = []
     start, added = time.perf_counter(), 0
@@ -103,7 +115,9 @@ def run_offline(engine: Any, requests: Sequence[Request], full_batch: int | None
     duration = max(s[-1] for s in stamps.values()) - start
     samples = [_sample(requests[int(rid)].kind, s[0], s[1:]) for rid, s in stamps.items()]
     steps = [(b, t) for b, t in decode_steps if full_batch is None or b == full_batch]
-    result = RunResult(samples, duration)
+    cpu_end = os.times()
+    result = RunResult(samples, duration, cpu_s={"engine": cpu_end.user + cpu_end.system
+                                                 - cpu_start.user - cpu_start.system})
     if steps:
         result.decode_step_s = float(np.mean([t for _, t in steps]))
         result.decode_batch = float(np.mean([b for b, _ in steps]))
@@ -116,16 +130,28 @@ def _sample(kind: str, sent: float, token_times: Sequence[float]) -> Sample:
     return Sample(kind, n, token_times[0] - sent, tpot)
 
 
-def run_served(base_url: str, model: str, requests: Sequence[Request], label: str
+@dataclass(frozen=True)
+class Served:
+    """A running `pdserve serve`: its base URL and the session its processes share."""
+
+    url: str
+    session_id: int
+
+
+def run_served(served: Served, model: str, requests: Sequence[Request], label: str
                ) -> RunResult:
-    """The requests as streamed `/v1/completions` (token ids) at their arrival times."""
-    endpoint = Endpoint(base_url, model)
+    """The requests as streamed `/v1/completions` (token ids) at their arrival times, with
+    the CPU time its processes spent meanwhile."""
+    endpoint = Endpoint(served.url, model)
     prepared = prepare(endpoint, [r.prompt for r in requests])
+    pids = session_pids(served.session_id)
+    before = snapshot(pids)
     records, duration = run_load(endpoint, prepared, LoadSpec(), label,
                                  times=[r.arrival_s for r in requests])
+    cpu = role_cpu(before, snapshot(pids))
     ok = [r for r in records if r.ok]
     result = RunResult([_served_sample(requests[r.index].kind, r) for r in ok], duration,
-                       failed=len(records) - len(ok))
+                       failed=len(records) - len(ok), cpu_s=cpu)
     result.notes.extend(sorted({r.error or "" for r in records if not r.ok}))
     return result
 
@@ -136,9 +162,9 @@ def _served_sample(kind: str, record: RequestRecord) -> Sample:
 
 
 @contextmanager
-def pdserve_serve(config: dict[str, Any], workdir: Path, port: int) -> Iterator[str]:
-    """`pdserve serve` on ``config`` in a session of its own; its base URL once /health says
-    every role is up. SIGTERM on the way out (drain), the session killed if it lingers."""
+def pdserve_serve(config: dict[str, Any], workdir: Path, port: int) -> Iterator[Served]:
+    """`pdserve serve` on ``config`` in a session of its own, once /health says every role is
+    up. SIGTERM on the way out (drain), the session killed if it lingers."""
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path, log_path = workdir / "config.yaml", workdir / "serve.log"
     cfg_path.write_text(yaml.safe_dump(config))
@@ -149,7 +175,7 @@ def pdserve_serve(config: dict[str, Any], workdir: Path, port: int) -> Iterator[
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc, log_path)
-        yield url
+        yield Served(url, proc.pid)
     finally:
         _stop(proc)
 

@@ -124,9 +124,10 @@ def served_runs(config: dict[str, Any], port: int, shapes: list[Shape], label: s
     """Every workload against one `pdserve serve`; also the idle TTFT of a short prompt."""
     idle = Shape("idle", [Request(r.prompt, "short", float(i))
                           for i, r in enumerate(shapes[0].requests[:IDLE_PROBES])], None)
-    with pdserve_serve(config, Path(tempfile.mkdtemp(prefix="pdserve-overhead-")), port) as url:
-        probe = run_served(url, MODEL_NAME, idle.requests, f"{label} idle")
-        results = {s.name: run_served(url, MODEL_NAME, s.requests, f"{label} {s.name}")
+    with pdserve_serve(config, Path(tempfile.mkdtemp(prefix="pdserve-overhead-")),
+                       port) as served:
+        probe = run_served(served, MODEL_NAME, idle.requests, f"{label} idle")
+        results = {s.name: run_served(served, MODEL_NAME, s.requests, f"{label} {s.name}")
                    for s in shapes}
     return results, probe.pct("ttft_s", 50)
 
@@ -149,6 +150,10 @@ def report(size: str, shape: Shape, offline_by_threads: dict[int, RunResult],
         rows[label] = _row(label, run, offline_by_threads[decode_threads(mode, pinned)])
         if run.failed:
             print(f"    {run.failed} failed: {'; '.join(run.notes)[:200]}")
+    print("  CPU per output token, us (served: each role's process, and its engine thread):")
+    for label, (run, _idle) in served.items():
+        base = offline_by_threads[decode_threads(label.split(" ")[0], pinned)]
+        rows[label].update(cpu_report(label, run, base))
     if shape.name == "mixed":
         print("  short streams among long prompts:")
         for label, (run, idle) in served.items():
@@ -164,6 +169,26 @@ def report(size: str, shape: Shape, offline_by_threads: dict[int, RunResult],
                   f"{_ms(ttft90)} ms vs idle {_ms(idle)} ({ttft90 / idle:.2f}x); long TTFT "
                   f"p50 {_ms(run.pct('ttft_s', 50, 'long'))} ms")
     return rows
+
+
+def cpu_report(label: str, run: RunResult, base: RunResult) -> dict[str, float]:
+    """Prints and returns the CPU each process spent per output token: outside the engine
+    (ingress, proxy, the decode process's other threads) and the decode process against the
+    offline engine's CPU per token."""
+    us = run.cpu_us_per_token
+    offline_us = base.cpu_us_per_token("engine")
+    decode_rest = us("decode") - us("decode.engine")
+    outside = us("ingress") + decode_rest + (us("proxy") if "proxy" in run.cpu_s else 0.0)
+    figures = {"cpu_us_ingress": us("ingress"), "cpu_us_decode": us("decode"),
+               "cpu_us_decode_engine": us("decode.engine"), "cpu_us_decode_rest": decode_rest,
+               "cpu_us_prefill": us("prefill"), "cpu_us_proxy": us("proxy"),
+               "cpu_us_outside_engine": outside, "cpu_us_offline": offline_us,
+               "decode_cpu_over_offline": us("decode") / offline_us}
+    print(f"    {label:<24} ingress {us('ingress'):,.0f}, decode {us('decode'):,.0f} (engine "
+          f"thread {us('decode.engine'):,.0f}, other threads {decode_rest:,.0f}), prefill "
+          f"{us('prefill'):,.0f}, proxy {us('proxy'):,.0f}; outside the engine {outside:,.0f}"
+          f"; decode / offline engine ({offline_us:,.0f}) {figures['decode_cpu_over_offline']:.2f}")
+    return figures
 
 
 def _row(label: str, run: RunResult, base: RunResult) -> dict[str, float]:

@@ -59,13 +59,12 @@ def ray_serve() -> Iterator[ServedApps]:
 @pytest.fixture(scope="session")
 def served_apps(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> ServedApps:
     """The apps most serving tests talk to, deployed once for the session: ``disagg``
-    (disaggregated), ``colo`` (colocated, admitting only 4 requests at once, to exercise
-    admission control) and ``batched`` (disaggregated, a stream's tokens batched per 50 ms)."""
+    (disaggregated) and ``colo`` (colocated, admitting only 4 requests at once, to exercise
+    admission control)."""
     from tests.support.ray_serve import app_config
 
     path = tiny_checkpoints["llama"]
     for name, mode, router in (("disagg", "disaggregated", {"max_in_flight_requests": 64}),
-                               ("colo", "colocated", {"max_in_flight_requests": 4}),
-                               ("batched", "disaggregated", {"stream_interval_ms": 50})):
+                               ("colo", "colocated", {"max_in_flight_requests": 4})):
         ray_serve.start_app(name, app_config(path, mode, **router))
     return ray_serve

@@ -29,8 +29,13 @@ from pdserve.router.prefill_load import LocalPrefillPolicy
 logger = logging.getLogger(__name__)
 
 
-def handoff_config(cfg: PdserveConfig) -> HandoffConfig:
-    token = cfg.resolve_auth_token() or secrets.token_hex(16)
+def cluster_token(cfg: PdserveConfig) -> str:
+    """The secret the workers and the ingress prove to each other on the KV handoff and the
+    token plane: the configured one, else a random one per application."""
+    return cfg.resolve_auth_token() or secrets.token_hex(16)
+
+
+def handoff_config(cfg: PdserveConfig, token: str) -> HandoffConfig:
     staging = cfg.handoff.staging_buffer_mb * MIB
     return HandoffConfig(
         auth_token=token, timeout_s=cfg.handoff.timeout_s,
@@ -93,18 +98,19 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
 def build_from_config(cfg: PdserveConfig) -> Application:
     model_path = resolve_model_path(cfg)
     print(cfg.replica_plan().summary())
-    handoff = handoff_config(cfg) if cfg.mode == "disaggregated" else None
-    return build_application(cfg, model_path, handoff, handoff)
+    token = cluster_token(cfg)
+    handoff = handoff_config(cfg, token) if cfg.mode == "disaggregated" else None
+    return build_application(cfg, model_path, handoff, handoff, token)
 
 
 def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: HandoffConfig | None,
-                      prefill_handoff: HandoffConfig | None) -> Application:
+                      prefill_handoff: HandoffConfig | None, token: str) -> Application:
     """The wiring itself, with each role's handoff settings given (tests give them apart)."""
     engine_config = cfg.to_engine_config(model_path)
     max_model_len = max_model_len_for(ModelConfig.from_checkpoint(model_path),
                                       cfg.model.max_model_len)
     decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
-        engine_config, decode_handoff, cfg.handoff.reserve_timeout_s)
+        engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s)
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(
@@ -117,8 +123,8 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
             mode=cfg.mode,
             min_disaggregated_prompt_tokens=cfg.router.min_disaggregated_prompt_tokens,
             local_prefill=LocalPrefillPolicy(cfg.router.local_prefill_max_tokens,
-                                             cfg.router.local_prefill_queue_factor),
-            stream_interval_s=cfg.router.stream_interval_ms / 1000.0),
+                                             cfg.router.local_prefill_queue_factor)),
+        plane_token=token,
         http=HttpGuardSettings(max_body_bytes=cfg.http.max_body_bytes,
                                api_keys=cfg.resolve_api_keys(),
                                metrics_require_api_key=cfg.http.metrics_require_api_key),

@@ -282,10 +282,6 @@ class RouterSection(Section):
     local_prefill_queue_factor: float = Field(
         2.0, ge=0, description="...busy meaning: more prompt tokens queued per prefill replica "
         "than this many times the prompt's own; 0: never prefill on decode by load.")
-    stream_interval_ms: float = Field(
-        0.0, ge=0, description="A stream's tokens cross from the decode worker at most once "
-        "per interval, several tokens per chunk (the first token is never held back); 0: "
-        "every engine step's tokens as they come.")
     ratio_band: RatioBandSection | None = Field(
         None, description="Allowed prefill:decode replica ratio while autoscaling.")
     replicas: int = Field(1, ge=1, description="Ingress (HTTP) replicas.")

@@ -1,14 +1,16 @@
-"""What the router sends a decode worker, and the events its `generate` stream yields.
+"""What the ingress sends a decode worker, and the lifecycle events its `generate` call yields.
 
-Plain frozen dataclasses: Ray carries them between the ingress and the replicas.
+Tokens do not travel here: they go over the token plane (`token_wire.py`) to ``sink``. A
+`generate` call yields at most two events (a disaggregated request's ticket, then its KV's
+outcome) and ends when the request does; cancelling it stops the request.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.decode.token_wire import TokenSink
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -24,40 +26,37 @@ class DecodeRequest:
     # True: prefill here too (short prompt, colocated mode, or recompute after a failed
     # handoff); False: reserve blocks and wait for a prefill worker's KV.
     local_prefill: bool
+    sink: TokenSink  # the ingress replica's token plane: where the tokens go
     # Output tokens the client already has (recompute fallback): recomputed, not generated.
     resume_output_ids: tuple[int, ...] = ()
-    # How often the stream may carry new tokens: the first at once, then at most one event
-    # per interval with every token since (0: as they come; None: only the finished event,
-    # for a client that reads the whole answer at once).
-    stream_interval_s: float | None = 0.0
 
 
 @dataclass(frozen=True)
-class DecodeEvent:
-    """One item of a decode stream.
+class KVTicket:
+    """Blocks are reserved: hand ``ticket`` to a prefill worker. The decode worker already
+    holds the KV of the prompt's first ``num_cached_tokens`` (whole blocks), which the ticket
+    does not cover."""
 
-    kind "ticket": blocks are reserved, hand `ticket` to a prefill worker; the decode worker
-    already holds the KV of the prompt's first `num_cached_tokens` (whole blocks), which the
-    ticket does not cover.
-    kind "tokens": new output tokens (and their text); the last one has `finished`.
-    kind "handoff_failed": the KV never arrived intact; the reservation is already released.
-    """
+    ticket: dict[str, Any]
+    num_cached_tokens: int
 
-    kind: Literal["ticket", "tokens", "handoff_failed"]
-    ticket: dict[str, Any] | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, if asked
-    text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    num_output_tokens: int = 0
-    # "tokens": prompt tokens this worker's prefix cache saved it computing (0 for received
-    # KV); "ticket": prompt tokens whose KV it already holds, so the ticket leaves them out.
-    num_cached_tokens: int = 0
-    reason: str = ""
-    # "handoff_failed": what failed, the error's `HandoffError.code` (timeout, digest, ...).
-    error_kind: str = ""
-    # Disaggregated path only: seconds from the ticket until the fence verified (this
-    # overlaps the prefill), and the KV bytes that arrived.
-    handoff_wait_s: float = 0.0
-    handoff_bytes: int = 0
+
+@dataclass(frozen=True)
+class KVArrived:
+    """The KV's fence verified and the request joined the batch: seconds from the ticket
+    until then (overlapping the prefill), and the bytes that arrived."""
+
+    handoff_wait_s: float
+    handoff_bytes: int
+
+
+@dataclass(frozen=True)
+class HandoffFailed:
+    """The KV never arrived intact; the reservation is already released. ``code`` names
+    why (timeout, digest, peer_gone, ...)."""
+
+    reason: str
+    code: str
+
+
+DecodeEvent = KVTicket | KVArrived | HandoffFailed

@@ -6,16 +6,26 @@ It also prefills locally: short prompts, colocated mode, and the recompute fallb
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
 
-from pdserve.decode.api import DecodeCapacityError, DecodeEvent, DecodeRequest
+from pdserve.decode.api import (
+    DecodeCapacityError,
+    DecodeEvent,
+    DecodeRequest,
+    HandoffFailed,
+    KVArrived,
+    KVTicket,
+)
+from pdserve.decode.token_publisher import TokenPublisher
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.cpu_affinity import apply_cpu_settings
-from pdserve.engine.engine import LLMEngine, ReceivedKVSlots, RequestOutput
+from pdserve.engine.engine import LLMEngine, ReceivedKVSlots
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
@@ -25,19 +35,14 @@ from pdserve.replica import WorkerLoad
 logger = logging.getLogger(__name__)
 
 
-def tokens_event(out: RequestOutput, prefilled_here: bool = True) -> DecodeEvent:
-    """``prefilled_here``: this worker computed the prompt, so its prefix-cache hits saved
-    compute (received KV: the prefill worker reports those)."""
-    return DecodeEvent(
-        kind="tokens", token_ids=out.new_token_ids, logprobs=out.logprobs, text=out.new_text,
-        finished=out.finished, finish_reason=out.finish_reason,
-        num_output_tokens=out.num_output_tokens,
-        num_cached_tokens=out.num_cached_tokens if prefilled_here else 0,
-    )
+# What a decode replica may leave unread in its connection to one ingress before it counts
+# that ingress as stuck: ~100k steps' worth of a full batch's tokens.
+MAX_UNREAD_TOKEN_BYTES = 64 * 2**20
 
 
 class DecodeWorker:
-    """One decode replica: an engine on its own thread plus a handoff receiver.
+    """One decode replica: an engine on its own thread, a handoff receiver, and the token
+    plane's publisher that streams every request's tokens to its ingress.
 
     Block lifetime on this side: `reserve_for_received_kv` makes the request own its blocks;
     the receiver writes only into them until the ticket is ready, failed or cancelled; only
@@ -45,7 +50,7 @@ class DecodeWorker:
     """
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None,
-                 reserve_timeout_s: float) -> None:
+                 plane_token: str, reserve_timeout_s: float) -> None:
         """``handoff_config`` None: no KV arrives (colocated); ``reserve_timeout_s``: how long
         a prompt whose KV is coming waits for free blocks (handoff.reserve_timeout_s)."""
         configure_logging()
@@ -53,7 +58,8 @@ class DecodeWorker:
         self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
                                             "decode")
         self.engine = LLMEngine(engine_config)
-        self.async_engine = AsyncEngine(self.engine)
+        self.publisher = TokenPublisher(plane_token, MAX_UNREAD_TOKEN_BYTES)
+        self.async_engine = AsyncEngine(self.engine, step_sink=self.publisher)
         self.reserve_timeout_s = reserve_timeout_s
         self.transport: HandoffTransport | None = None
         self.receiver: HandoffReceiver | None = None
@@ -65,59 +71,61 @@ class DecodeWorker:
                     self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
-        if request.local_prefill or self.receiver is None:
-            async for out in self.async_engine.generate(
-                request.request_id, request.prompt_token_ids, request.sampling_params,
-                RequestMode.FULL, request.resume_output_ids, request.stream_interval_s,
-            ):
-                yield tokens_event(out)
-            return
-        async for event in self._generate_from_received_kv(request):
-            yield event
+        """Run ``request``, its tokens going to ``request.sink``; yields its lifecycle events
+        (a received-KV request's ticket and KV outcome) and ends when the request does.
+        Cancelled or failed before the end, the request stops and frees its blocks."""
+        rid = request.request_id
+        local = request.local_prefill or self.receiver is None
+        done = await self.publisher.open(rid, request.sink, report_cached=local)
+        finished = False
+        try:
+            if local:
+                await self.async_engine.call(lambda: self.engine.add_request(
+                    rid, request.prompt_token_ids, request.sampling_params, RequestMode.FULL,
+                    request.resume_output_ids))
+            else:
+                async with aclosing(self._receive_kv(request)) as events:
+                    async for event in events:
+                        yield event
+                        if isinstance(event, HandoffFailed):
+                            finished = True  # the receiver and the engine let go already
+                            return
+            await done
+            finished = True
+        finally:
+            self.publisher.close(rid)
+            if not finished:
+                # Cancelled (client or ingress gone) or crashed: stop the receiver writing
+                # before the engine frees the blocks.
+                if self.receiver is not None:
+                    self.receiver.cancel(rid)
+                if not self.async_engine.is_dead:
+                    await self.async_engine.call(lambda: self.engine.abort(rid))
 
-    async def _generate_from_received_kv(
-            self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
+    async def _receive_kv(self, request: DecodeRequest) -> AsyncGenerator[DecodeEvent, None]:
+        """Reserve blocks, hand out the ticket, wait for the fence, join the batch."""
         assert self.receiver is not None
         rid = request.request_id
-        stream = self.async_engine.open_stream(rid)
-        finished = False
         start = time.monotonic()
+        slots = await self._reserve(request)
+        ticket = self.receiver.reserve(
+            rid, slots.block_ids, self.engine.layout,
+            len(request.prompt_token_ids) - slots.num_cached_tokens)
+        yield KVTicket(ticket.to_dict(), slots.num_cached_tokens)
         try:
-            # Inside the try: a caller that leaves while the reservation is being made must
-            # not strand the blocks (abort below frees whatever was reserved).
-            slots = await self._reserve(request)
-            ticket = self.receiver.reserve(
-                rid, slots.block_ids, self.engine.layout,
-                len(request.prompt_token_ids) - slots.num_cached_tokens)
-            yield DecodeEvent(kind="ticket", ticket=ticket.to_dict(),
-                              num_cached_tokens=slots.num_cached_tokens)
-            try:
-                fence = await self.receiver.wait_ready_async(rid)
-            except HandoffError as exc:
-                logger.warning("handoff for %s failed: %s", rid, exc)
-                finished = True
-                await self.async_engine.call(lambda: self.engine.abort(rid))
-                yield DecodeEvent(kind="handoff_failed", reason=str(exc),
-                                  error_kind=exc.code)
-                return
-            first = await self.async_engine.call(
-                lambda: self.engine.activate_received(rid, fence.first_token_id))
-            wait_s = time.monotonic() - start
-            yield DecodeEvent(kind="tokens", finished=first.finished,
-                              finish_reason=first.finish_reason,
-                              num_output_tokens=first.num_output_tokens, handoff_wait_s=wait_s,
-                              handoff_bytes=fence.num_bytes)
-            finished = first.finished
-            if not finished:
-                async for out in self.async_engine.stream(rid, stream,
-                                                          request.stream_interval_s):
-                    finished = out.finished
-                    yield tokens_event(out, prefilled_here=False)
-        finally:
-            if not finished:
-                # Cancelled (client gone) or crashed: stop the receiver writing before freeing.
-                self.receiver.cancel(rid)
-            await self.async_engine.close_stream(rid, abort=not finished)
+            fence = await self.receiver.wait_ready_async(rid)
+        except HandoffError as exc:
+            logger.warning("handoff for %s failed: %s", rid, exc)
+            await self.async_engine.call(lambda: self.engine.abort(rid))
+            yield HandoffFailed(str(exc), exc.code)
+            return
+        # Before the first step: the ingress should hear of it before the tokens that follow.
+        yield KVArrived(time.monotonic() - start, fence.num_bytes)
+        first = await self.async_engine.call(
+            lambda: self.engine.activate_received(rid, fence.first_token_id))
+        if first.finished:  # the prefill's token ended it: no step will report the end
+            # The prefill worker showed that token already; only the end is news.
+            self.publisher.publish([dataclasses.replace(first, new_token_ids=[], logprobs=[])])
 
     async def _reserve(self, request: DecodeRequest) -> ReceivedKVSlots:
         """Blocks for the prompt's KV (after any prefix this worker still caches), waiting
@@ -152,6 +160,11 @@ class DecodeWorker:
         return WorkerLoad(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
                           num_running=sched.num_running,
                           num_waiting=sched.num_waiting + sched.num_awaiting_kv).to_stats()
+
+    def token_plane_stats(self) -> dict[str, Any]:
+        """Frames and entries sent, against the engine's steps (a frame per step per ingress
+        at most)."""
+        return asdict(self.publisher.stats) | {"num_engine_steps": self.engine.stats.num_steps}
 
     def check_health(self) -> None:
         if self.async_engine.is_dead:

@@ -7,6 +7,8 @@ thread, between steps, so the engine itself needs no locks.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import dataclasses
 import logging
 import queue
@@ -14,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pdserve.engine.engine import LayerHook, LLMEngine, RequestOutput
 from pdserve.engine.errors import EngineError
@@ -29,65 +31,53 @@ class EngineDeadError(EngineError):
     """The engine thread crashed; the worker must be restarted."""
 
 
-class _Stream:
-    """One request's outputs on their way from the engine thread to its event loop.
+class StepSink(Protocol):
+    """Takes a whole step's outputs at once, on the engine thread (the token plane's
+    publisher): it must only hand them on, never block."""
 
-    A reader takes everything that arrived since it last looked, so outputs pile up into one
-    batch while it is busy or waiting out its interval; a finished output or an error wakes
-    it at once.
-    """
+    def put_step(self, outputs: list[RequestOutput]) -> None: ...
+
+    def fail_all(self, exc: BaseException) -> None: ...
+
+
+class _Stream:
+    """One request's outputs on their way from the engine thread to its event loop. A reader
+    takes everything that arrived since it last looked."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._items: deque[RequestOutput | BaseException] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._wake_on_any = True
-        self._urgent = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Event-loop thread only (the engine thread goes through `call_soon_threadsafe`)."""
         self._items.append(item)
-        if isinstance(item, BaseException) or item.finished:
-            self._urgent = True
-        if self._waiter is not None and (self._urgent or self._wake_on_any):
-            self._wake()
-
-    def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def _wait(self, wake_on_any: bool) -> None:
-        self._wake_on_any = wake_on_any
-        self._waiter = self.loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    async def take(self, not_before: float | None) -> list[RequestOutput | BaseException]:
-        """Everything queued, once something is; wait until ``not_before`` (loop time) for
-        more unless a finished output or an error arrived (None: wait for one of those)."""
+    async def take(self) -> list[RequestOutput | BaseException]:
+        """Everything queued, once something is."""
         while not self._items:
-            await self._wait(wake_on_any=True)
-        if not self._urgent and (not_before is None or not_before > self.loop.time()):
-            timer = None if not_before is None else self.loop.call_at(not_before, self._wake)
+            self._waiter = self.loop.create_future()
             try:
-                await self._wait(wake_on_any=False)
+                await self._waiter
             finally:
-                if timer is not None:
-                    timer.cancel()
+                self._waiter = None
         items = list(self._items)
         self._items.clear()
-        self._urgent = False
         return items
 
 
 class AsyncEngine:
     """Owns the engine thread. Thread-safe; awaitable from any event loop."""
 
-    def __init__(self, engine: LLMEngine, layer_hook: LayerHook | None = None) -> None:
+    def __init__(self, engine: LLMEngine, layer_hook: LayerHook | None = None,
+                 step_sink: StepSink | None = None) -> None:
+        """``step_sink`` gets each step's outputs of requests without a stream of their own
+        (`open_stream`), all in one call."""
         self.engine = engine
         self.layer_hook = layer_hook
+        self.step_sink = step_sink
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue())
         self._streams: dict[str, _Stream] = {}
@@ -118,16 +108,15 @@ class AsyncEngine:
         params: SamplingParams,
         mode: RequestMode = RequestMode.FULL,
         resume_output_ids: Sequence[int] = (),
-        interval_s: float | None = 0.0,
     ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes (batched as `stream` does);
-        cancelling aborts it."""
+        """Add a request and yield its outputs until it finishes (what arrived while the
+        caller was busy as one merged output); cancelling aborts it."""
         stream = self.open_stream(request_id)
         finished = False
         try:
             await self.call(lambda: self.engine.add_request(
                 request_id, prompt_token_ids, params, mode, resume_output_ids))
-            async for out in self.stream(request_id, stream, interval_s):
+            async for out in self.stream(request_id, stream):
                 finished = out.finished
                 yield out
         finally:
@@ -139,19 +128,14 @@ class AsyncEngine:
         self._streams[request_id] = stream
         return stream
 
-    async def stream(self, request_id: str, stream: _Stream,
-                     interval_s: float | None = 0.0) -> AsyncIterator[RequestOutput]:
-        """A request's outputs: the first at once, then at most one (merged) output per
-        ``interval_s`` -- 0: whatever arrived while the caller was busy, None: only the
-        finished one. A finished output is never held back."""
-        not_before = 0.0
+    async def stream(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        """A request's outputs as they come; what arrived while the caller was busy comes
+        as one merged output."""
         while True:
-            items = await stream.take(not_before)
+            items = await stream.take()
             outputs = [i for i in items if not isinstance(i, BaseException)]
             if outputs:
                 merged = outputs[0] if len(outputs) == 1 else merge_outputs(outputs)
-                loop_time = stream.loop.time()
-                not_before = None if interval_s is None else loop_time + interval_s
                 yield merged
                 if merged.finished:
                     return
@@ -177,6 +161,7 @@ class AsyncEngine:
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
+        name_native_thread(self._thread.name)
         try:
             while not self._stopping:
                 self._drain_commands()
@@ -206,21 +191,38 @@ class AsyncEngine:
                 future.set_result(result)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        rest = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.loop.call_soon_threadsafe(stream.put, out)
+            else:
+                rest.append(out)
+        if rest and self.step_sink is not None:
+            self.step_sink.put_step(rest)
 
     def _fail_everything(self, exc: BaseException) -> None:
         dead = EngineDeadError(f"engine thread died: {exc!r}")
         for stream in list(self._streams.values()):
             stream.loop.call_soon_threadsafe(stream.put, dead)
+        if self.step_sink is not None:
+            self.step_sink.fail_all(dead)
         while True:
             try:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 return
             future.set_exception(dead)
+
+
+def name_native_thread(name: str) -> None:
+    """Give the calling thread ``name`` at the OS level too (Linux), so per-thread CPU in
+    /proc/PID/task and profilers can tell the engine thread from the rest."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return
+    pr_set_name = 15
+    ctypes.CDLL(libc_name).prctl(pr_set_name, name.encode()[:15], 0, 0, 0)
 
 
 def merge_outputs(outputs: Sequence[RequestOutput]) -> RequestOutput:

@@ -12,7 +12,8 @@ from typing import TypeVar
 
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
-from pdserve.router.pipeline import GenerationDelta, RequestTrace
+from pdserve.router.delta import GenerationDelta
+from pdserve.router.timings import RequestTrace
 
 T = TypeVar("T")
 

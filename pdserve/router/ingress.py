@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -28,15 +28,11 @@ from pdserve.router.choices import (
     gather_or_cancel,
     merged,
 )
+from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import RequestTimeoutError, ServiceUnavailableError
 from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.metrics import PdserveMetrics
-from pdserve.router.pipeline import (
-    GenerationDelta,
-    GenerationPipeline,
-    PipelineSettings,
-    RequestTrace,
-)
+from pdserve.router.pipeline import GenerationPipeline, PipelineSettings
 from pdserve.router.prompts import Prompt, PromptBuilder
 from pdserve.router.protocol import (
     ChatCompletionRequest,
@@ -49,7 +45,8 @@ from pdserve.router.protocol import (
 from pdserve.router.responses import ResponseContext, StreamWriter, whole_response
 from pdserve.router.roles import RoleMonitor, serve_replica_counts
 from pdserve.router.sse import DONE_EVENT, EventStreamResponse, error_event
-from pdserve.router.timings import time_per_output_token_ms
+from pdserve.router.timings import RequestTrace, time_per_output_token_ms
+from pdserve.router.token_plane import TokenPlane
 
 logger = logging.getLogger("pdserve.requests")  # one JSON line per request
 
@@ -64,6 +61,7 @@ class IngressSettings:
     max_in_flight_requests: int
     request_timeout_s: float
     pipeline: PipelineSettings
+    plane_token: str  # the cluster's token: decode replicas prove they hold it
     http: HttpGuardSettings
 
 
@@ -80,7 +78,9 @@ class Ingress:
         if decode is not None:
             handles = {"decode": decode} | ({"prefill": prefill} if prefill is not None else {})
             self.roles = RoleMonitor(handles, self._replica_counts)
-        self.pipeline = GenerationPipeline(decode, prefill, settings.pipeline, self.roles)
+        self.plane = TokenPlane(settings.plane_token, node_ip())
+        self.pipeline = GenerationPipeline(decode, prefill, settings.pipeline, self.plane,
+                                           self.roles)
         self.admission = AdmissionGate(settings.max_in_flight_requests)
         self.metrics = PdserveMetrics()
         # Deadlines of the generations in flight; a drain pulls them in.
@@ -296,12 +296,26 @@ class Ingress:
         loads = self.roles.loads() if self.roles is not None else []
         return self.metrics.render(loads, self.admission.num_in_flight)
 
+    async def token_plane_stats(self) -> dict[str, Any]:
+        """This replica's token plane: where it listens and what it received and refused."""
+        sink = await self.plane.sink()
+        return asdict(self.plane.stats) | {"host": sink.host, "port": sink.port,
+                                           "num_subscriptions": len(self.plane.subscriptions())}
+
     async def kv_stats(self) -> dict[str, Any]:
         """Block counts of every role as the ingress sees them (one replica each)."""
         stats = {"decode": await self.pipeline.decode.kv_stats.remote()}
         if self.pipeline.prefill is not None:
             stats["prefill"] = await self.pipeline.prefill.kv_stats.remote()
         return stats
+
+
+def node_ip() -> str:
+    """The address other Ray nodes reach this process on (loopback for a local Ray, which
+    `pdserve serve` starts on 127.0.0.1); loopback outside Ray."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 class _Deadline:

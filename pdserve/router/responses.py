@@ -10,8 +10,8 @@ from typing import Any
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.choices import ChoiceRun
+from pdserve.router.delta import GenerationDelta
 from pdserve.router.logprobs import LogprobsFormatter
-from pdserve.router.pipeline import GenerationDelta
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.router.protocol_responses import (
     AssistantMessage,

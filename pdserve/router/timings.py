@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -63,6 +64,9 @@ class RequestTimings:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2e_ms: float | None = None
+    # Lifecycle events the decode worker's Serve calls carried (tokens go over the token
+    # plane): a ticket and the KV's outcome on the disaggregated path, none otherwise.
+    num_serve_messages: int = 0
 
     def __post_init__(self) -> None:
         if self.path is not None and self.path not in REQUEST_PATHS:
@@ -98,3 +102,17 @@ class RequestTimings:
             record[f.name] = round(value, 3) if isinstance(value, float) else value
         record["prefill_tokens_computed"] = self.num_prefill_tokens_computed
         return json.dumps(record, separators=(",", ":"))
+
+
+class RequestTrace:
+    """The request's timings as they fill in; frozen `RequestTimings` underneath."""
+
+    def __init__(self, request_id: str, started: float | None = None) -> None:
+        self.started = time.monotonic() if started is None else started
+        self.timings = RequestTimings(request_id=request_id)
+
+    def update(self, **changes: Any) -> None:
+        self.timings = self.timings.with_(**changes)
+
+    def ms_since_start(self) -> float:
+        return (time.monotonic() - self.started) * 1000.0

@@ -32,9 +32,10 @@ def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> s
     from tests.support.ray_serve import app_config
 
     cfg = parse_config(app_config(tiny_checkpoints["llama"], "disaggregated"), source="fallback")
-    good = dataclasses.replace(handoff_config(cfg), timeout_s=3.0)
+    token = cfg.resolve_auth_token()
+    good = dataclasses.replace(handoff_config(cfg, token), timeout_s=3.0)
     wrong = dataclasses.replace(good, auth_token="a-different-cluster-token-987654")
-    app = build_application(cfg, tiny_checkpoints["llama"], good, wrong)
+    app = build_application(cfg, tiny_checkpoints["llama"], good, wrong, token)
     yield served_apps.run_app("fallback", app)
     served_apps.launcher.remove("fallback")
 

@@ -1,10 +1,10 @@
-"""The engine thread's output streams: batching by interval loses and reorders nothing, the
-first output and the finished one are never held back, and errors still arrive."""
+"""The engine thread's hand-over: a request's own stream loses and reorders nothing when its
+reader lags, a step sink gets each step's outputs in one call, and a crash reaches both."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 
 import pytest
 
@@ -23,15 +23,13 @@ def engine(tiny_checkpoints: dict[str, str]) -> LLMEngine:
     return LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=64))
 
 
-def run_stream(engine: LLMEngine, rid: str, interval_s: float | None,
-               consumer_delay_s: float = 0.0, params: SamplingParams = PARAMS,
-               ) -> list[tuple[float, RequestOutput]]:
-    async def run() -> list[tuple[float, RequestOutput]]:
+def run_stream(engine: LLMEngine, rid: str, consumer_delay_s: float) -> list[RequestOutput]:
+    async def run() -> list[RequestOutput]:
         async_engine = AsyncEngine(engine)
         outs = []
         try:
-            async for out in async_engine.generate(rid, PROMPT, params, interval_s=interval_s):
-                outs.append((time.monotonic(), out))
+            async for out in async_engine.generate(rid, PROMPT, PARAMS):
+                outs.append(out)
                 await asyncio.sleep(consumer_delay_s)
         finally:
             async_engine.shutdown()
@@ -40,37 +38,58 @@ def run_stream(engine: LLMEngine, rid: str, interval_s: float | None,
     return asyncio.run(run())
 
 
-def test_batched_streams_carry_every_token_and_the_same_text(engine: LLMEngine) -> None:
+def test_a_stream_carries_every_token_and_the_same_text_however_fast_it_is_read(
+        engine: LLMEngine) -> None:
     [want] = engine.generate([PROMPT], PARAMS)
     want_text = engine.tokenizer.decode(want)
-    for rid, interval, delay in (("each", 0.0, 0.0), ("slow", 0.0, 0.02), ("timed", 0.03, 0.0)):
-        outs = [out for _, out in run_stream(engine, rid, interval, delay)]
+    for rid, delay in (("each", 0.0), ("slow", 0.02)):
+        outs = run_stream(engine, rid, delay)
         assert [t for out in outs for t in out.new_token_ids] == want, rid
         assert "".join(out.new_text for out in outs) == want_text, rid
         assert outs[-1].finished and not any(out.finished for out in outs[:-1])
         assert outs[-1].num_output_tokens == len(want)
-        if rid == "each":
-            assert len(outs) == len(want)  # the tiny model steps faster than this reads
-        else:
-            assert len(outs) < len(want)  # batched: fewer messages than tokens
+        if rid == "slow":
+            assert len(outs) < len(want)  # what arrived while the reader slept came merged
 
 
-def test_the_first_output_is_never_batched(engine: LLMEngine) -> None:
-    outs = run_stream(engine, "first", interval_s=5.0)
-    assert len(outs[0][1].new_token_ids) == 1
+class RecordingSink:
+    """A step sink that records each call's outputs (called on the engine thread)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[RequestOutput]] = []
+        self.failure: BaseException | None = None
+        self.finished = threading.Event()
+        self.num_finished = 0
+
+    def put_step(self, outputs: list[RequestOutput]) -> None:
+        self.steps.append(list(outputs))
+        self.num_finished += sum(out.finished for out in outputs)
+        if self.num_finished == 3:
+            self.finished.set()
+
+    def fail_all(self, exc: BaseException) -> None:
+        self.failure = exc
 
 
-def test_none_sends_the_first_output_and_then_only_the_finished_one(engine: LLMEngine) -> None:
-    outs = [out for _, out in run_stream(engine, "whole", interval_s=None)]
-    assert [len(out.new_token_ids) for out in outs] == [1, PARAMS.max_tokens - 1]
-    assert outs[-1].finished
-
-
-def test_a_finished_output_is_not_held_for_the_interval(engine: LLMEngine) -> None:
-    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    start = time.monotonic()
-    outs = run_stream(engine, "short", interval_s=30.0, params=short)
-    assert outs[-1][1].finished and outs[-1][0] - start < 10.0
+def test_a_step_sink_gets_every_request_of_a_step_in_one_call(engine: LLMEngine) -> None:
+    prompts = [PROMPT, PROMPT[:20], PROMPT[5:]]
+    want = engine.generate(prompts, PARAMS)
+    sink = RecordingSink()
+    async_engine = AsyncEngine(engine, step_sink=sink)
+    try:
+        for i, prompt in enumerate(prompts):
+            async_engine.submit(lambda i=i, p=prompt: engine.add_request(f"s{i}", p, PARAMS))
+        assert sink.finished.wait(60), "the three requests never finished"
+    finally:
+        async_engine.shutdown()
+    got: dict[str, list[int]] = {f"s{i}": [] for i in range(3)}
+    for step in sink.steps:
+        assert len({out.request_id for out in step}) == len(step)  # one output per request
+        for out in step:
+            got[out.request_id].extend(out.new_token_ids)
+    assert [got[f"s{i}"] for i in range(3)] == want
+    # Decoding together, the three requests shared steps: far fewer calls than outputs.
+    assert len(sink.steps) < sum(len(step) for step in sink.steps) / 2
 
 
 def test_merge_joins_tokens_text_and_logprobs_in_order() -> None:
@@ -78,23 +97,26 @@ def test_merge_joins_tokens_text_and_logprobs_in_order() -> None:
         return RequestOutput("r", ids, text, finished, "length" if finished else None,
                              num_prompt_tokens=5, num_cached_tokens=0,
                              num_output_tokens=ids[-1],
-                             logprobs=[TokenLogprobs(i, -0.5, ()) for i in ids])
+                             logprobs=[TokenLogprobs(i, -0.5, []) for i in ids])
     merged = merge_outputs([out([1], "a", False), out([2, 3], "bc", False), out([4], "d", True)])
     assert merged.new_token_ids == [1, 2, 3, 4] and merged.new_text == "abcd"
     assert [lp.token_id for lp in merged.logprobs] == [1, 2, 3, 4]
     assert merged.finished and merged.finish_reason == "length" and merged.num_output_tokens == 4
 
 
-def test_an_engine_crash_reaches_the_stream(engine: LLMEngine) -> None:
-    async def run() -> None:
-        async_engine = AsyncEngine(engine)
+def test_an_engine_crash_reaches_the_streams_and_the_sink(engine: LLMEngine) -> None:
+    async def run() -> RecordingSink:
+        sink = RecordingSink()
+        async_engine = AsyncEngine(engine, step_sink=sink)
         stream = async_engine.open_stream("doomed")
         async_engine._fail_everything(RuntimeError("boom"))  # as the thread does on a crash
         try:
             with pytest.raises(EngineDeadError, match="boom"):
-                async for _ in async_engine.stream("doomed", stream, 0.05):
+                async for _ in async_engine.stream("doomed", stream):
                     pass
         finally:
             async_engine.shutdown()
+        return sink
 
-    asyncio.run(run())
+    sink = asyncio.run(run())
+    assert isinstance(sink.failure, EngineDeadError)

@@ -97,7 +97,9 @@ def test_stream_cut_by_a_dead_replica_reports_no_internals(leak_app: str) -> Non
     error = assert_openai_error(json.loads(payloads[-2]))
     assert error["type"] == "server_error"
     _assert_no_internals(error["message"])
-    wait_for(lambda: _logged("a stream failed (answered 503): ActorDiedError"), 30,
+    # The token plane sees the connection drop first, or the Serve call fails first.
+    wait_for(lambda: _logged("dropped its token-plane connection with generations open (1)")
+             or _logged("a stream failed (answered 503): ActorDiedError"), 30,
              "the failure's detail in the server log")
     wait_for(lambda: _recovered(leak_app), 120, "a replacement decode replica")
 
@@ -115,6 +117,7 @@ def test_request_cut_by_a_dead_replica_gets_a_plain_503(leak_app: str) -> None:
     assert answer.status_code == 503, answer.text
     error = assert_openai_error(answer.json(), code="service_unavailable")
     _assert_no_internals(error["message"])
-    wait_for(lambda: _logged("completions failed (answered 503): ActorDiedError"), 30,
+    wait_for(lambda: _logged("dropped its token-plane connection with generations open (1)")
+             or _logged("completions failed (answered 503): ActorDiedError"), 30,
              "the failure's detail in the server log")
     wait_for(lambda: _recovered(leak_app), 120, "a replacement decode replica")

@@ -14,11 +14,13 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.choices import choice_params, gather_or_cancel, merged
+from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import OverloadedError
 from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.ingress import Ingress, IngressSettings
-from pdserve.router.pipeline import GenerationDelta, PipelineSettings, RequestTrace
+from pdserve.router.pipeline import PipelineSettings
 from pdserve.router.prefill_load import LocalPrefillPolicy
+from pdserve.router.timings import RequestTrace
 
 
 def test_choice_seeds_move_on_by_the_index_and_wrap() -> None:
@@ -136,9 +138,10 @@ class _RecordingPipeline:
 
 
 def _ingress(checkpoint: str, pipeline: _RecordingPipeline) -> Ingress:
-    paths = PipelineSettings("colocated", 16, LocalPrefillPolicy(0, 0), 0.0)
+    paths = PipelineSettings("colocated", 16, LocalPrefillPolicy(0, 0))
     http = HttpGuardSettings(max_body_bytes=4 << 20, api_keys=(), metrics_require_api_key=True)
-    settings = IngressSettings(checkpoint, "tiny", 256, 8, 30.0, paths, http)
+    settings = IngressSettings(checkpoint, "tiny", 256, 8, 30.0, paths,
+                               plane_token="a-cluster-token-0123456789", http=http)
     ingress = Ingress(decode=None, prefill=None, settings=settings)
     ingress.pipeline = pipeline  # type: ignore[assignment]
     return ingress

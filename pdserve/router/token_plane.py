@@ -1,0 +1,221 @@
+"""The ingress end of the token plane: a listener decode replicas connect to, and one
+subscription per generation that the frames' entries fan out to.
+
+A frame is read and decoded once and its entries go to their requests' subscriptions, where
+they merge until the request's reader takes them: a reader that lags holds nobody else up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+from pdserve.decode.token_wire import (
+    Entry,
+    FrameReader,
+    TokenPlaneError,
+    TokenSink,
+    decode_logprobs,
+    ingress_handshake,
+)
+from pdserve.router.delta import GenerationDelta
+from pdserve.router.errors import ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeGoneError(ServiceUnavailableError):
+    """The decode replica streaming a request's tokens went away mid-generation."""
+
+    def __init__(self) -> None:
+        super().__init__("the decode worker serving this request stopped; retry it")
+
+
+@dataclass
+class TokenPlaneStats:
+    num_connections: int = 0
+    num_refused_connections: int = 0  # failed the handshake: no token, or another protocol
+    num_broken_connections: int = 0  # a bad MAC, an out-of-order or malformed frame
+    num_frames: int = 0
+    num_entries: int = 0
+    num_unknown_entries: int = 0  # for a request this ingress is not streaming (any more)
+    num_foreign_entries: int = 0  # for a request another connection streams
+
+
+class TokenSubscription:
+    """One generation's tokens as they arrive. ``every_delta``: the reader wakes for each
+    arrival (a stream); otherwise only for the last one or an error (a whole answer)."""
+
+    __slots__ = ("request_id", "every_delta", "connection", "last_taken_at", "finished",
+                 "_entries", "_waiter", "_error")
+
+    def __init__(self, request_id: str, every_delta: bool) -> None:
+        self.request_id = request_id
+        self.every_delta = every_delta
+        self.connection: int | None = None  # bound to the first connection that sends for it
+        self.last_taken_at = time.monotonic()
+        self.finished = False
+        self._entries: list[Entry] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._error: BaseException | None = None
+
+    def push(self, entry: Entry) -> None:
+        self._entries.append(entry)
+        if entry[3] is not None:
+            self.finished = True
+        if self._waiter is not None and (self.every_delta or self.finished):
+            self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        """End the subscription with ``exc`` (raised once the entries before it are read)."""
+        if self._error is None and not self.finished:
+            self._error = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._entries)
+
+    async def next(self) -> GenerationDelta:
+        """Everything that arrived since the last call, merged, once there is something (the
+        last delta has ``finished``); a failure is raised after what arrived before it."""
+        while not (self._entries and (self.every_delta or self.finished)):
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        entries, self._entries = self._entries, []
+        self.last_taken_at = time.monotonic()
+        return merge_entries(entries)
+
+
+def merge_entries(entries: list[Entry]) -> GenerationDelta:
+    """Consecutive entries of one request as one delta: tokens, text and logprobs in order,
+    the last one's finish."""
+    last = entries[-1]
+    if len(entries) == 1:
+        return GenerationDelta(last[2], last[1], last[3] is not None, last[3], last[5],
+                               decode_logprobs(last[6]))
+    return GenerationDelta(
+        "".join(e[2] for e in entries), [t for e in entries for t in e[1]],
+        last[3] is not None, last[3], max(e[5] for e in entries),
+        [lp for e in entries for lp in decode_logprobs(e[6])])
+
+
+class TokenPlane:
+    """Listens on ``host`` (an OS-chosen port) for decode replicas holding ``token``."""
+
+    def __init__(self, token: str, host: str) -> None:
+        self._token = token
+        self._host = host
+        self._server: asyncio.Server | None = None
+        self._starting = asyncio.Lock()
+        self._sink: TokenSink | None = None
+        self._subs: dict[str, TokenSubscription] = {}
+        self._bound: dict[int, set[str]] = {}  # connection -> requests it streams
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._ids = itertools.count(1)
+        self.stats = TokenPlaneStats()
+
+    async def sink(self) -> TokenSink:
+        """This plane's address for decode replicas (listening from the first call on)."""
+        if self._sink is None:
+            async with self._starting:
+                if self._sink is None:
+                    self._server = await asyncio.start_server(self._serve, self._host, 0)
+                    port = self._server.sockets[0].getsockname()[1]
+                    self._sink = TokenSink(self._host, port, secrets.token_hex(8))
+                    logger.info("token plane listening on %s:%d", self._host, port)
+        return self._sink
+
+    def subscribe(self, request_id: str, every_delta: bool) -> TokenSubscription:
+        """Before the request is sent anywhere: its first entries may arrive at once."""
+        if request_id in self._subs:
+            raise RuntimeError(f"request {request_id!r} already streams on this ingress")
+        sub = TokenSubscription(request_id, every_delta)
+        self._subs[request_id] = sub
+        return sub
+
+    def unsubscribe(self, request_id: str) -> None:
+        sub = self._subs.pop(request_id, None)
+        if sub is not None and sub.connection is not None:
+            self._bound.get(sub.connection, set()).discard(request_id)
+
+    def subscriptions(self) -> list[TokenSubscription]:
+        return list(self._subs.values())
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers):
+            writer.transport.abort()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:
+            try:
+                key = await ingress_handshake(reader, writer, self._token)
+            except (TokenPlaneError, asyncio.IncompleteReadError, TimeoutError,
+                    ConnectionError) as exc:
+                self.stats.num_refused_connections += 1
+                logger.warning("token plane refused a connection from %s: %s",
+                               writer.get_extra_info("peername"), exc)
+                return
+            self.stats.num_connections += 1
+            connection = next(self._ids)
+            self._bound[connection] = set()
+            try:
+                await self._read(connection, reader, FrameReader(key))
+            finally:
+                cut = [self._subs[rid] for rid in self._bound.pop(connection)
+                       if rid in self._subs and not self._subs[rid].finished]
+                if cut:
+                    logger.warning("a decode replica (%s) dropped its token-plane connection "
+                                   "with generations open (%d): they end with an error",
+                                   writer.get_extra_info("peername"), len(cut))
+                for sub in cut:
+                    sub.fail(DecodeGoneError())
+        finally:
+            self._writers.discard(writer)
+            writer.transport.abort()
+
+    async def _read(self, connection: int, reader: asyncio.StreamReader,
+                    frames: FrameReader) -> None:
+        try:
+            while True:
+                self._dispatch(connection, await frames.read(reader))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return  # the decode replica closed or died
+        except TokenPlaneError as exc:
+            self.stats.num_broken_connections += 1
+            logger.warning("token plane dropped a connection: %s", exc)
+
+    def _dispatch(self, connection: int, entries: list[Entry]) -> None:
+        stats = self.stats
+        stats.num_frames += 1
+        stats.num_entries += len(entries)
+        subs, bound = self._subs, self._bound[connection]
+        for entry in entries:
+            sub = subs.get(entry[0])
+            if sub is None:
+                stats.num_unknown_entries += 1
+                continue
+            if sub.connection != connection:
+                if sub.connection is not None:
+                    stats.num_foreign_entries += 1
+                    continue
+                sub.connection = connection
+                bound.add(entry[0])
+            sub.push(entry)
+

@@ -1,0 +1,125 @@
+"""The token plane's wire: frames round-trip, and a frame that is forged, replayed, reordered
+or malformed is refused; the handshake admits only a peer holding the cluster's token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from pdserve.decode.token_wire import (
+    HEADER_BYTES,
+    FrameReader,
+    FrameWriter,
+    TokenPlaneAuthError,
+    TokenPlaneError,
+    decode_handshake,
+    decode_logprobs,
+    encode_logprobs,
+    ingress_handshake,
+)
+from pdserve.engine.sampler import TokenLogprobs
+
+KEY = bytes(range(32))
+ENTRY = ["req-1", [5, 6], "héllo", None, 2, 0, None]
+
+
+def read_all(data: bytes, reader: FrameReader) -> list[list]:
+    async def run() -> list[list]:
+        stream = asyncio.StreamReader()
+        stream.feed_data(data)
+        stream.feed_eof()
+        frames = []
+        try:
+            while True:
+                frames.append(await reader.read(stream))
+        except asyncio.IncompleteReadError:
+            return frames
+
+    return asyncio.run(run())
+
+
+def test_frames_round_trip_in_order() -> None:
+    writer = FrameWriter(KEY)
+    last = ["req-2", [7], "!", "length", 3, 16, None]
+    data = writer.frame([ENTRY]) + writer.frame([ENTRY, last])
+    assert read_all(data, FrameReader(KEY)) == [[ENTRY], [ENTRY, last]]
+
+
+@pytest.mark.parametrize("tamper", ["payload", "mac", "key"])
+def test_a_frame_whose_mac_does_not_verify_is_refused(tamper: str) -> None:
+    frame = bytearray(FrameWriter(KEY).frame([ENTRY]))
+    key = KEY
+    if tamper == "payload":
+        frame[-3] ^= 1
+    elif tamper == "mac":
+        frame[HEADER_BYTES - 1] ^= 1
+    else:
+        key = bytes(32)
+    with pytest.raises(TokenPlaneAuthError, match="MAC"):
+        read_all(bytes(frame), FrameReader(key))
+
+
+def test_a_replayed_or_skipped_frame_is_refused() -> None:
+    writer = FrameWriter(KEY)
+    first, second = writer.frame([ENTRY]), writer.frame([ENTRY])
+    with pytest.raises(TokenPlaneError, match="out of order"):
+        read_all(first + first, FrameReader(KEY))
+    with pytest.raises(TokenPlaneError, match="out of order"):
+        read_all(second, FrameReader(KEY))
+
+
+def test_a_well_signed_frame_that_is_not_entries_is_refused() -> None:
+    for content in ({"a": 1}, [[1, 2, 3]], [["r", [], "", None, 0, 0]]):
+        writer = FrameWriter(KEY)
+        writer._packer = msgpack.Packer()  # same key and framing, wrong content
+        with pytest.raises(TokenPlaneError, match="not a list of token entries"):
+            read_all(writer.frame(content), FrameReader(KEY))  # type: ignore[arg-type]
+
+
+def test_logprobs_survive_the_wire() -> None:
+    logprobs = [TokenLogprobs(5, -0.25, [(5, -0.25), (9, -1.5)]), TokenLogprobs(6, -2.0, [])]
+    raw = msgpack.unpackb(msgpack.packb(encode_logprobs(logprobs)))
+    assert decode_logprobs(raw) == logprobs
+    assert encode_logprobs([]) is None and decode_logprobs(None) == []
+
+
+def handshake(ingress_token: str, decode_token: str) -> tuple[object, object]:
+    """Both ends of the handshake over a real loopback connection: each side's key or
+    exception."""
+    async def run() -> tuple[object, object]:
+        result: dict[str, object] = {}
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                result["ingress"] = await ingress_handshake(reader, writer, ingress_token)
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                result["ingress"] = exc
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            decode_side: object = await decode_handshake(reader, writer, decode_token)
+        except Exception as exc:  # noqa: BLE001
+            decode_side = exc
+        writer.close()
+        while "ingress" not in result:
+            await asyncio.sleep(0.01)
+        server.close()
+        return result["ingress"], decode_side
+
+    return asyncio.run(run())
+
+
+def test_the_handshake_gives_both_sides_one_key() -> None:
+    ingress_key, decode_key = handshake("cluster-token-0123456789", "cluster-token-0123456789")
+    assert isinstance(ingress_key, bytes) and ingress_key == decode_key
+
+
+def test_a_peer_without_the_token_is_refused_on_both_sides() -> None:
+    ingress_side, decode_side = handshake("cluster-token-0123456789", "another-token-987654321")
+    assert isinstance(ingress_side, TokenPlaneAuthError)
+    assert not isinstance(decode_side, bytes)  # the ingress closed instead of proving itself
