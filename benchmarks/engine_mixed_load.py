@@ -21,8 +21,9 @@ from _common import (  # run as a script: python benchmarks/engine_mixed_load.py
     set_threads,
 )
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.request import RequestMode
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -131,17 +132,18 @@ MODES = {"prefill": RequestMode.PREFILL_ONLY, "colocated": RequestMode.FULL}
 
 def measure(args: argparse.Namespace, path: Path, cap: int) -> dict[str, dict[str, float]]:
     """Both modes with one chunk cap (0: none); with no cap, also the short prompts alone."""
-    engine = LLMEngine(EngineConfig(
-        model_path=str(path), dtype=args.dtype, device="cpu", num_kv_blocks=2048,
-        max_num_batched_tokens=args.budget, max_num_seqs=64, long_prefill_token_threshold=cap))
-    arrivals = make_arrivals(args, engine.loaded.config.vocab_size)
+    config = engine_config(
+        str(path), dtype=args.dtype, device="cpu", num_kv_blocks=2048,
+        max_num_batched_tokens=args.budget, max_num_seqs=64, long_prefill_token_threshold=cap)
+    loaded = LoadedModel.load(config.model_path, config.torch_dtype, config.resolve_device())
+    arrivals = make_arrivals(args, loaded.config.vocab_size)
     shorts = [a for a in arrivals if not a.is_long]
-    replay(engine, shorts[:4], RequestMode.FULL)  # warm-up
+    replay(LLMEngine(config, loaded), shorts[:4], RequestMode.FULL)  # warm-up
     results = {}
     for name, mode in MODES.items():
         label = f"{name}, cap {cap or 'none'}"
         print(f"replaying {len(arrivals)} arrivals: {label} ...", flush=True)
-        engine.kv_manager.reset_prefix_cache()
+        engine = LLMEngine(config, loaded)  # each mode starts with an empty prefix cache
         results[label] = summarize(arrivals, replay(engine, arrivals, mode))
         if cap == 0:  # the same short prompts with no long ones: an idle server
             alone = replay(engine, shorts, mode)

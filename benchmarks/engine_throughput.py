@@ -29,8 +29,8 @@ from _throughput_report import (
     save_report,
 )
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 
 NUM_SPECIAL_TOKENS = 3  # ids 0..2 are the generator's special tokens; prompts avoid them
@@ -97,7 +97,7 @@ def run_pdserve(
     """Add every request, then step until all finish, timing each step (see PhaseTally)."""
     longest = max(map(len, workload.prompts)) + workload.output_len
     engine = LLMEngine(
-        EngineConfig(model_path=str(path), dtype=dtype, device="cpu", max_model_len=longest)
+        engine_config(str(path), dtype=dtype, device="cpu", max_model_len=longest)
     )
     params = SamplingParams(max_tokens=workload.output_len, temperature=0.0, ignore_eos=True)
     engine.generate([WARMUP_PROMPT], SamplingParams(max_tokens=4, temperature=0.0))

@@ -44,7 +44,7 @@ Rates = dict[int, tuple[float, float]]  # size in MiB -> (GB/s, ms)
 # Piece sizes are the production defaults; staging holds a whole 256 MiB transfer.
 BENCH_CONFIG: dict[str, Any] = {
     "auth_token": "bench-secret", "receiver_staging_bytes": 512 * MIB,
-    "sender_staging_bytes": 512 * MIB, "default_timeout_s": 60.0,
+    "sender_staging_bytes": 512 * MIB, "timeout_s": 60.0, "net_devices": None,
 }
 
 
@@ -97,7 +97,7 @@ def handoff_worker(conn: Any, role: str, num_cache_blocks: int) -> None:
             future.add_done_callback(_stamper(stamps, request_id))
             conn.send(ticket.to_dict())
         elif op == "wait" and receiver is not None:
-            info = receiver.wait_ready(args, timeout=60)
+            info = receiver.ready_future(args).result(timeout=60)
             conn.send((stamps[args], info.num_bytes))
         elif op == "push" and sender is not None:
             ticket, block_ids = args

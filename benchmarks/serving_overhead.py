@@ -88,7 +88,7 @@ def server_config(path: Path, dtype: str, mode: str, port: int, interval_ms: flo
         engine["cpu_affinity"] = {"decode": [str(DECODE_CORE)]}
         if mode == "disaggregated":
             engine["cpu_affinity"]["prefill"] = [str(PREFILL_CORE)]
-    router: dict[str, Any] = {"min_disaggregated_prompt_tokens": 32, "max_queued_requests": 256,
+    router: dict[str, Any] = {"min_disaggregated_prompt_tokens": 32, "max_in_flight_requests": 256,
                               "request_timeout_s": 600}
     if interval_ms is not None:
         router["stream_interval_ms"] = interval_ms

@@ -1,4 +1,5 @@
-"""Shared test fixtures: tiny random-weight checkpoints generated once per session, offline.
+"""Session fixtures: tiny random-weight checkpoints generated once, offline, and the one local
+Ray and Serve with the apps most serving tests talk to. Helpers live in `tests/support/`.
 
 Sets the Hugging Face libraries offline before any test imports them.
 """
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -47,11 +48,11 @@ def tiny_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]
 
 @pytest.fixture(scope="session")
 def ray_serve() -> Iterator[ServedApps]:
-    """The session's one local Ray with Serve's HTTP proxy on a free port (Ray starts in
-    seconds, so every module that serves apps shares it and deploys its own)."""
-    from served import local_ray_serve
+    """The session's one local Ray with Serve (direct ingress, free ports): Ray starts in
+    seconds, so every module that serves apps shares it and deploys its own."""
+    from tests.support.ray_serve import served_apps_on_local_ray
 
-    with local_ray_serve() as apps:
+    with served_apps_on_local_ray() as apps:
         yield apps
 
 
@@ -60,10 +61,10 @@ def served_apps(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Serv
     """The apps most serving tests talk to, deployed once for the session: ``disagg``
     (disaggregated) and ``colo`` (colocated, admitting only 4 requests at once, to exercise
     admission control)."""
-    from served import app_config
+    from tests.support.ray_serve import app_config
 
     path = tiny_checkpoints["llama"]
-    for name, mode, router in (("disagg", "disaggregated", {"max_queued_requests": 64}),
-                               ("colo", "colocated", {"max_queued_requests": 4})):
+    for name, mode, router in (("disagg", "disaggregated", {"max_in_flight_requests": 64}),
+                               ("colo", "colocated", {"max_in_flight_requests": 4})):
         ray_serve.start_app(name, app_config(path, mode, **router))
     return ray_serve

@@ -21,6 +21,7 @@ from pdserve.bench.client import Api, Endpoint, fetch_model
 from pdserve.bench.records import RunResult
 from pdserve.bench.serve_launcher import ServeLauncher, local_serve
 from pdserve.bench.slo import SLO
+from pdserve.bench.specs import load_from, workload_from
 from pdserve.bench.sweep import Target, sweep, write_report
 from pdserve.cluster.capacity import format_amount
 from pdserve.cluster.config import PdserveConfig, parse_config, read_config_data
@@ -109,8 +110,6 @@ def deployed(launcher: ServeLauncher, setup: Setup, api: Api = "completions",
 def run_setup(launcher: ServeLauncher, setup: Setup, args: argparse.Namespace, slo: SLO,
               rates: Sequence[float], order: int = 0) -> list[RunResult]:
     """Deploy one setup, run every rate against it, delete it."""
-    from pdserve.bench.commands import load_from, workload_from
-
     with deployed(launcher, setup, args.api, args.ignore_eos, order) as (target, max_len):
         runs = sweep(target, workload_from(args, max_len), rates, load_from(args), slo,
                      args.num_warmups, args.result_dir)

@@ -24,6 +24,7 @@ from pdserve.bench.planner import PlanRole, ProfilePoint, RoleProfile
 from pdserve.bench.records import RunResult
 from pdserve.bench.serve_launcher import ServeLauncher
 from pdserve.bench.slo import SLO
+from pdserve.bench.specs import load_from, workload_from
 from pdserve.bench.sweep import PromptShaper, Target, sweep
 from pdserve.bench.workloads import PromptSpec, WorkloadSpec
 
@@ -55,8 +56,6 @@ def replica_cost(setup: Setup, role: str) -> tuple[str, float]:
 def profile_config(launcher: ServeLauncher, args: argparse.Namespace, slo: SLO,
                    rates: Sequence[float]) -> dict[str, Any]:
     """Deploy the config once, sweep both roles, return the profile file's content."""
-    from pdserve.bench.commands import load_from, workload_from
-
     [setup] = load_setups([args.profile])
     check_profilable(setup)
     if slo.ttft_ms is None or slo.tpot_ms is None:
@@ -84,8 +83,6 @@ def profile_config(launcher: ServeLauncher, args: argparse.Namespace, slo: SLO,
 
 def _role_sweep(target: Target, role: str, workload: WorkloadSpec, rates: Sequence[float], slo: SLO,
                 shape: PromptShaper, args: argparse.Namespace) -> list[RunResult]:
-    from pdserve.bench.commands import load_from
-
     labelled = dataclasses.replace(target, label=f"{target.label}-{role}")
     return sweep(labelled, workload, rates, load_from(args), slo, args.num_warmups,
                  args.result_dir, shape)

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pdserve.cluster.config import PdserveConfig
+
+if TYPE_CHECKING:
+    from ray.serve import Application
 
 HOST = "127.0.0.1"  # loopback only: benchmarks never listen on another address
 REPLICA_PREFIX = "SERVE_REPLICA::"
@@ -63,15 +64,20 @@ class ServeLauncher:
     proxy_url: str
 
     def deploy(self, cfg: PdserveConfig, name: str) -> str:
-        """Start the app (returns once every replica is up); its base URL: the first ingress
-        replica's own port, or Serve's proxy when the ingress serves none (a Ray started
-        without direct ingress). Load goes to that one ingress replica."""
+        """Start the app (returns once every replica is up); its base URL (see `run`)."""
+        from pdserve.cluster.app import build_from_config
+
+        return self.run(build_from_config(cfg), name)
+
+    def run(self, app: Application, name: str) -> str:
+        """Run a built Serve application at /NAME; its base URL: the first ingress replica's
+        own port, or Serve's proxy when the ingress serves none (a Ray started without
+        direct ingress). Load goes to that one ingress replica."""
         from ray import serve
 
-        from pdserve.cluster.app import build_from_config
         from pdserve.cluster.frontend import ingress_ports
 
-        serve.run(build_from_config(cfg), name=name, route_prefix=f"/{name}")
+        serve.run(app, name=name, route_prefix=f"/{name}")
         ports = ingress_ports(name)
         return f"http://{HOST}:{ports[0]}/{name}" if ports else f"{self.proxy_url}/{name}"
 
@@ -98,20 +104,6 @@ class ServeLauncher:
         return sorted(found, key=lambda p: (p.deployment, p.cpus_allowed, p.pid))
 
 
-def _free_port_range(count: int, attempts: int = 200) -> int:
-    """The first of ``count`` consecutive loopback ports free right now."""
-    for _ in range(attempts):
-        first = random.randrange(20000, 60000 - count)
-        try:
-            for port in range(first, first + count):
-                with socket.socket() as s:
-                    s.bind((HOST, port))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError(f"found no {count} consecutive free ports on {HOST}")
-
-
 @contextmanager
 def local_serve(num_cpus: int) -> Iterator[ServeLauncher]:
     """A fresh private Ray (``num_cpus`` logical CPUs) with Serve's direct ingress on free
@@ -119,16 +111,16 @@ def local_serve(num_cpus: int) -> Iterator[ServeLauncher]:
     import ray
     from ray import serve
 
-    from pdserve.cluster.frontend import MAX_INGRESS_REPLICAS_PER_NODE, direct_ingress_env
+    from pdserve.cluster.frontend import PORTS_PER_NODE, direct_ingress_env, free_http_port
 
-    first = _free_port_range(MAX_INGRESS_REPLICAS_PER_NODE + 1)
+    first = free_http_port(HOST)
     saved = dict(os.environ)
     os.environ.update(direct_ingress_env(first))  # Ray's processes read it when they start
     # address="local": always a Ray of our own, never a cluster found on the machine.
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
              logging_level=logging.WARNING)
     try:
-        proxy_port = first + MAX_INGRESS_REPLICAS_PER_NODE
+        proxy_port = first + PORTS_PER_NODE - 1
         serve.start(http_options={"host": HOST, "port": proxy_port})
         yield ServeLauncher(f"http://{HOST}:{proxy_port}")
     finally:

@@ -17,8 +17,9 @@ from pdserve.cluster.config import PdserveConfig, load_config, parse_config
 from pdserve.cluster.model_source import resolve_model_path
 from pdserve.cluster.serve_config import role_autoscaling
 from pdserve.decode.worker import DecodeWorker
+from pdserve.engine.kv_cache import max_model_len_for
 from pdserve.engine.model_config import ModelConfig
-from pdserve.handoff.config import MIB, HandoffConfig
+from pdserve.handoff.config import MAX_PIECE_BYTES, MIB, HandoffConfig
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.ingress import Ingress, IngressSettings
@@ -37,12 +38,20 @@ def cluster_token(cfg: PdserveConfig) -> str:
 def handoff_config(cfg: PdserveConfig, token: str) -> HandoffConfig:
     staging = cfg.handoff.staging_buffer_mb * MIB
     return HandoffConfig(
-        auth_token=token, default_timeout_s=cfg.handoff.timeout_s,
+        auth_token=token, timeout_s=cfg.handoff.timeout_s,
         sender_staging_bytes=staging, receiver_staging_bytes=staging,
-        max_piece_bytes=min(16 * MIB, staging),
+        max_piece_bytes=min(MAX_PIECE_BYTES, staging),
         net_devices=cfg.handoff.net_devices,
     )
 
+
+# How often Serve asks each worker for its load (`record_routing_stats`); the role's request
+# router and the ingress (path choice, /metrics) both read the answer.
+LOAD_REPORT_PERIOD_S = 1.0
+
+# Serve stops a prefill replica at most this long after its drain may begin: the drain
+# (handoff.drain_timeout_s) plus time for the worker's own shutdown.
+PREFILL_SHUTDOWN_MARGIN_S = 10.0
 
 # Requests past the admission limit that Serve still hands to the ingress, which answers them
 # with a quick 429 (plus /health and /metrics).
@@ -56,14 +65,14 @@ ROUTERS = {
 }
 
 
-def _request_router(cfg: PdserveConfig, role: str) -> RequestRouterConfig | None:
+def _request_router(cfg: PdserveConfig, role: str) -> RequestRouterConfig:
     policy = cfg.router.prefill_policy if role == "prefill" else cfg.router.decode_policy
     router_class = ROUTERS[policy]
-    if router_class is None:
-        return None
+    if router_class is None:  # Serve's own router; the workers report their load all the same
+        return RequestRouterConfig(request_routing_stats_period_s=LOAD_REPORT_PERIOD_S)
     kwargs = {"block_size": cfg.engine.block_size} if policy == "prefix_affinity" else {}
     return RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs,
-                               request_routing_stats_period_s=2)
+                               request_routing_stats_period_s=LOAD_REPORT_PERIOD_S)
 
 
 def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
@@ -72,13 +81,12 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
     assert plan is not None
     options: dict[str, Any] = {"name": role, "ray_actor_options": role_cfg.ray_actor_options(),
                                "max_ongoing_requests": cfg.engine.max_num_seqs * 2}
-    router = _request_router(cfg, role)
-    if router is not None:
-        options["request_router_config"] = router
+    options["request_router_config"] = _request_router(cfg, role)
     if role == "prefill":
         # Serve stops a replica this long after its last call returned at most; the KV of
-        # those calls is still sending (the worker waits for it in __del__).
-        options["graceful_shutdown_timeout_s"] = cfg.handoff.timeout_s + 10
+        # those calls is still sending (the worker drains it in __del__).
+        options["graceful_shutdown_timeout_s"] = (cfg.handoff.drain_timeout_s
+                                                  + PREFILL_SHUTDOWN_MARGIN_S)
     autoscaling = role_autoscaling(cfg, role)
     if autoscaling is not None:
         options["autoscaling_config"] = autoscaling
@@ -99,18 +107,17 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
                       prefill_handoff: HandoffConfig | None, token: str) -> Application:
     """The wiring itself, with each role's handoff settings given (tests give them apart)."""
     engine_config = cfg.to_engine_config(model_path)
-    model_config = ModelConfig.from_checkpoint(model_path)
-    max_model_len = min(cfg.model.max_model_len or model_config.max_position_embeddings,
-                        model_config.max_position_embeddings)
+    max_model_len = max_model_len_for(ModelConfig.from_checkpoint(model_path),
+                                      cfg.model.max_model_len)
     decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
-        engine_config, decode_handoff, token)
+        engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s)
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(
-            engine_config, prefill_handoff)
+            engine_config, prefill_handoff, cfg.handoff.drain_timeout_s)
     settings = IngressSettings(
         model_path=model_path, served_model_name=cfg.model_name(), max_model_len=max_model_len,
-        max_in_flight=cfg.router.max_queued_requests,
+        max_in_flight_requests=cfg.router.max_in_flight_requests,
         request_timeout_s=cfg.router.request_timeout_s,
         pipeline=PipelineSettings(
             mode=cfg.mode,
@@ -129,8 +136,8 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
     ingress = serve.deployment(
         serve.ingress()(Ingress), name="ingress", num_replicas=cfg.router.replicas,
         ray_actor_options={"num_cpus": cfg.router.num_cpus},
-        max_ongoing_requests=cfg.router.max_queued_requests + INGRESS_HEADROOM,
-        max_queued_requests=cfg.router.max_queued_requests + INGRESS_HEADROOM,
+        max_ongoing_requests=cfg.router.max_in_flight_requests + INGRESS_HEADROOM,
+        max_queued_requests=cfg.router.max_in_flight_requests + INGRESS_HEADROOM,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
     )
     return ingress.bind(decode, prefill, settings)

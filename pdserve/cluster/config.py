@@ -46,6 +46,9 @@ if TYPE_CHECKING:
 
 DEFAULT_CONFIG_NAME = "local.yaml"
 API_KEY_ENV = "PDSERVE_API_KEY"
+# Keys that changed name (old dotted path -> new one): a config still using an old key is
+# refused naming both, rather than as an unknown key.
+RENAMED_KEYS = {"router.max_queued_requests": "router.max_in_flight_requests"}
 
 
 def _problems_error(problems: list[tuple[str, str]]) -> PydanticCustomError:
@@ -73,6 +76,15 @@ class PdserveConfig(Section):
     served_model_name: str | None = Field(
         None, min_length=1, description="Model name clients send; default: the checkpoint "
         "directory's name, or pdserve-<family>-<size> for a generated model.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_keys(cls, data: Any) -> Any:
+        problems = [(old, f"this key is now {new}; rename it (same meaning)")
+                    for old, new in RENAMED_KEYS.items() if _has_key(data, old)]
+        if problems:
+            raise _problems_error(problems)
+        return data
 
     @model_validator(mode="after")
     def _cross_field(self) -> PdserveConfig:
@@ -121,19 +133,7 @@ class PdserveConfig(Section):
 
     def to_engine_config(self, model_path: str) -> EngineConfig:
         """The engine settings of one worker, given the (resolved or generated) checkpoint."""
-        from pdserve.engine.engine_config import EngineConfig  # imports torch: only when wiring
-
-        engine = self.engine
-        kv_size: dict[str, Any] = {"num_kv_blocks": engine.num_kv_blocks}
-        if engine.kv_cache_memory_gb is not None:
-            kv_size["kv_cache_memory_gb"] = engine.kv_cache_memory_gb
-        return EngineConfig(
-            model_path=model_path, dtype=self.model.dtype, device=engine.device,
-            block_size=engine.block_size, max_num_batched_tokens=engine.max_num_batched_tokens,
-            max_num_seqs=engine.max_num_seqs, max_model_len=self.model.max_model_len,
-            enable_prefix_caching=engine.enable_prefix_caching,
-            long_prefill_token_threshold=engine.long_prefill_token_threshold,
-            num_threads=engine.num_threads, cpu_affinity=self._cpu_affinity(), **kv_size)
+        return self.engine.to_engine_config(self.model, model_path, self._cpu_affinity())
 
     def _cpu_affinity(self) -> CpuAffinity | None:
         """The core sets of engine.cpu_affinity, with a claim directory of this application
@@ -183,6 +183,14 @@ class PdserveConfig(Section):
         except ValueError as exc:
             raise ConfigError([f"${API_KEY_ENV}: {exc}"]) from exc
         return tuple(dict.fromkeys(keys))
+
+
+def _has_key(data: Any, dotted: str) -> bool:
+    for part in dotted.split("."):
+        if not isinstance(data, Mapping) or part not in data:
+            return False
+        data = data[part]
+    return True
 
 
 def _role_shape_problems(cfg: PdserveConfig) -> Iterator[tuple[str, str]]:
@@ -277,6 +285,27 @@ def _band_problems(cfg: PdserveConfig, plan: ReplicaPlan) -> Iterator[tuple[str,
         yield "router.ratio_band", (f"start-up replicas {prefill.replicas}:{decode.replicas} lie "
                                     f"outside the band {band.describe()}; widen the band or "
                                     "change the replica counts")
+
+
+def engine_config(model_path: str, dtype: str | None = None, max_model_len: int | None = None,
+                  **engine: Any) -> EngineConfig:
+    """One engine's settings outside a served config (`pdserve generate`, benchmarks, tests):
+    ``engine`` holds engine.* keys, and every key not given takes the schema's default."""
+    model: dict[str, Any] = {"path": model_path, "max_model_len": max_model_len}
+    if dtype is not None:
+        model["dtype"] = dtype
+    try:
+        settings = _EngineSettings.model_validate({"model": model, "engine": engine})
+    except ValidationError as exc:
+        raise config_error_from(exc, _EngineSettings, "engine settings") from None
+    return settings.engine.to_engine_config(settings.model, model_path)
+
+
+class _EngineSettings(Section):
+    """The two sections one engine needs, validated with their key paths."""
+
+    model: ModelSection
+    engine: EngineSection
 
 
 def default_config_path() -> Path:

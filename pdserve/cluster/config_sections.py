@@ -5,7 +5,7 @@ Every model refuses unknown keys and coerces nothing (strict): YAML mistakes sur
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -18,11 +18,16 @@ from pydantic import (
 )
 
 from pdserve.cluster.capacity import RatioBand, RatioTerms, ReplicaResources, parse_ratio
-from pdserve.engine.cpu_affinity import parse_cpu_list
-from pdserve.router.http_guard import DEFAULT_MAX_BODY_BYTES
+from pdserve.engine.cpu_affinity import CpuAffinity, parse_cpu_list
+from pdserve.engine.model_presets import Family, Size
+
+if TYPE_CHECKING:
+    from pdserve.engine.engine_config import EngineConfig
 
 # A guessable handoff token would let any peer write into decode workers' KV caches.
 MIN_TOKEN_CHARS = 16
+# The KV cache's size when neither engine.num_kv_blocks nor engine.kv_cache_memory_gb is set.
+DEFAULT_KV_CACHE_MEMORY_GB = 0.5
 
 
 class Section(BaseModel):
@@ -40,9 +45,10 @@ Ratio = Annotated[RatioTerms, BeforeValidator(_parse_ratio_field)]
 
 
 class GeneratedModel(Section):
-    family: Literal["llama", "qwen2"] = Field(
+    family: Family = Field(
         description="Architecture family of the random-weight checkpoint to generate.")
-    size: Literal["tiny", "small"] = Field("tiny", description="Preset size of the model.")
+    size: Size = Field("tiny", description="Preset size of the model (`pdserve make-model "
+                       "--size`: tiny 0.28 M parameters, medium 31.8 M, small 61 M).")
     seed: int = Field(0, description="Seed of the random weights; same seed, same checkpoint.")
 
 
@@ -74,7 +80,7 @@ class EngineSection(Section):
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block.")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV cache blocks per worker. At most one of num_kv_blocks and "
-        "kv_cache_memory_gb; neither: the engine's default memory budget.")
+        f"kv_cache_memory_gb; neither: {DEFAULT_KV_CACHE_MEMORY_GB} GiB of blocks.")
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, description="KV cache size per worker in GiB, converted to blocks.")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
@@ -116,6 +122,21 @@ class EngineSection(Section):
                                          "of its own")
                     seen[core] = where
         return self
+
+    def to_engine_config(self, model: ModelSection, model_path: str,
+                         cpu_affinity: CpuAffinity | None = None) -> EngineConfig:
+        """One worker's engine settings, given the (resolved or generated) checkpoint."""
+        from pdserve.engine.engine_config import EngineConfig  # imports torch: only when wiring
+
+        memory_gb = self.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB
+        return EngineConfig(
+            model_path=model_path, dtype=model.dtype, device=self.device,
+            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_memory_gb=memory_gb, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs, max_model_len=model.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            num_threads=self.num_threads, cpu_affinity=cpu_affinity)
 
     def core_sets(self) -> dict[str, list[frozenset[int]]]:
         """cpu_affinity parsed: role -> core sets (refuses bad cpulists with their text)."""
@@ -243,8 +264,11 @@ class RouterSection(Section):
     min_disaggregated_prompt_tokens: int = Field(
         64, ge=0, description="Prompts shorter than this are prefilled on the decode worker "
         "(moving their KV costs more than recomputing it); 0: always disaggregate.")
-    max_queued_requests: int = Field(
-        256, ge=1, description="Requests waiting for a worker before new ones get 429.")
+    max_in_flight_requests: int = Field(
+        256, ge=1, description="Requests one ingress replica runs at once, from admission until "
+        "their answer ends (a request with n choices counts n; /metrics: "
+        "pdserve:num_requests_in_flight); past it, a new request gets 429 before its body is "
+        "read.")
     request_timeout_s: float = Field(120.0, gt=0, description="Whole-request deadline.")
     prefill_policy: Literal["prefix_affinity", "least_loaded", "round_robin"] = Field(
         "prefix_affinity", description="How the router picks a prefill replica.")
@@ -270,7 +294,17 @@ class HandoffSection(Section):
         "auth_token_env; neither: a random token is made per application start.")
     auth_token_env: str | None = Field(
         None, min_length=1, description="Environment variable holding the shared token.")
-    timeout_s: float = Field(30.0, gt=0, description="Deadline of one KV handoff.")
+    timeout_s: float = Field(
+        30.0, gt=0, description="Deadline of one KV handoff, from the decode worker's ticket to "
+        "its verified fence; a handoff past it fails and decode recomputes the prompt.")
+    reserve_timeout_s: float = Field(
+        30.0, gt=0, description="How long a decode worker waits for free KV blocks to receive "
+        "a prompt's KV into (running requests free them as they finish) before the request "
+        "gets 429.")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="How long a stopping prefill replica (downscale, redeploy, "
+        "shutdown) waits for its KV transfers in flight to finish; those still sending after "
+        "it are recomputed on decode.")
     net_devices: str | None = Field(
         None, description="UCX network devices for KV between machines (UCX_NET_DEVICES, e.g. "
         "'mlx5_0:1' or 'eth0'); default: UCX picks, and its TCP transport listens on every "
@@ -304,7 +338,7 @@ class HttpSection(Section):
         30.0, ge=0, description="On SIGTERM: how long open requests may finish (new ones get "
         "503) before the rest are ended with an error event.")
     max_body_bytes: int = Field(
-        DEFAULT_MAX_BODY_BYTES, ge=1024, description="Largest request body accepted: a larger "
+        4 << 20, ge=1024, description="Largest request body accepted: a larger "
         "Content-Length is answered 413 before the body is read, and a streamed (chunked) body "
         "is answered 413 as soon as it grows past this. 4 MiB holds a ~500k-token ASCII prompt "
         "(JSON escapes make non-ASCII text up to 6x longer); raise it for longer contexts.")

@@ -1,18 +1,21 @@
 """How HTTP reaches the ingress: the ingress replica serving its port itself (Serve's direct
 ingress, the default), or Serve's HTTP proxy in front of it.
 
-Measured on 2 cores (32 streams, 32 M-parameter model): going through Serve's proxy cost a
-Ray message per SSE chunk and about a third of the throughput; direct ingress has no hop.
+Serve's proxy adds a Ray message per SSE chunk; direct ingress has no such hop (the README's
+serving-overhead section measures both).
 """
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 from pdserve.cluster.config_sections import HttpSection
 
 # Ports after http.port that further ingress replicas on one node take (direct ingress).
 MAX_INGRESS_REPLICAS_PER_NODE = 16
+# http.port, the ports after it, and Serve's proxy on the last one.
+PORTS_PER_NODE = MAX_INGRESS_REPLICAS_PER_NODE + 1
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,26 @@ def frontend_for(http: HttpSection) -> Frontend:
     port after that range. ``proxy``: Serve's defaults, its proxy on ``http.port``."""
     if http.frontend == "proxy":
         return Frontend({}, http.port)
-    return Frontend(direct_ingress_env(http.port), http.port + MAX_INGRESS_REPLICAS_PER_NODE)
+    return Frontend(direct_ingress_env(http.port), http.port + PORTS_PER_NODE - 1)
+
+
+def free_http_port(host: str = "127.0.0.1", attempts: int = 100) -> int:
+    """An http.port free right now with the PORTS_PER_NODE ports it takes: the OS picks the
+    first (binding port 0), the rest are checked (for a local Ray: `bench compare`, tests)."""
+    for _ in range(attempts):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            first = int(s.getsockname()[1])
+        if first + PORTS_PER_NODE > 65536:
+            continue
+        try:
+            for port in range(first, first + PORTS_PER_NODE):
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError(f"found no {PORTS_PER_NODE} consecutive free ports on {host}")
 
 
 def direct_ingress_env(first_port: int) -> dict[str, str]:

@@ -30,7 +30,7 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 from pdserve.log import configure_logging
-from pdserve.replica import replica_id
+from pdserve.replica import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +50,17 @@ class DecodeWorker:
     """
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None,
-                 plane_token: str) -> None:
+                 plane_token: str, reserve_timeout_s: float) -> None:
+        """``handoff_config`` None: no KV arrives (colocated); ``reserve_timeout_s``: how long
+        a prompt whose KV is coming waits for free blocks (handoff.reserve_timeout_s)."""
         configure_logging()
-        self.cpu_claim = apply_cpu_settings(engine_config, "decode")  # before any engine thread
+        # Before any engine thread starts: threads inherit the binding.
+        self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
+                                            "decode")
         self.engine = LLMEngine(engine_config)
         self.publisher = TokenPublisher(plane_token, MAX_UNREAD_TOKEN_BYTES)
         self.async_engine = AsyncEngine(self.engine, step_sink=self.publisher)
-        self.reserve_timeout_s = handoff_config.default_timeout_s if handoff_config else 30.0
+        self.reserve_timeout_s = reserve_timeout_s
         self.transport: HandoffTransport | None = None
         self.receiver: HandoffReceiver | None = None
         if handoff_config is not None:
@@ -148,19 +152,14 @@ class DecodeWorker:
         """The KV receiver's counters (pieces landed and drained; transfers by outcome)."""
         return {} if self.receiver is None else asdict(self.receiver.stats())
 
-    def role_stats(self) -> dict[str, Any]:
-        """This replica's KV use and queues for the ingress's health and metrics (read
-        without the engine thread: counters only, no integrity check)."""
-        kv, sched = self.engine.kv_manager, self.engine.scheduler
-        return {"replica_id": replica_id(), "num_blocks": kv.num_blocks,
-                "num_free_blocks": kv.num_free_blocks, "num_running": sched.num_running,
-                "num_waiting": sched.num_waiting + sched.num_awaiting_kv}
-
     def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve calls this periodically; the decode request router ranks replicas on it."""
-        kv = self.engine.kv_manager
-        return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
-                "num_running": self.engine.scheduler.num_running}
+        """This replica's load (`WorkerLoad`), which Serve asks for on the role's timer and
+        hands to the decode request router and the ingress (counters read without the
+        engine thread: no integrity check)."""
+        kv, sched = self.engine.kv_manager, self.engine.scheduler
+        return WorkerLoad(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+                          num_running=sched.num_running,
+                          num_waiting=sched.num_waiting + sched.num_awaiting_kv).to_stats()
 
     def token_plane_stats(self) -> dict[str, Any]:
         """Frames and entries sent, against the engine's steps (a frame per step per ingress

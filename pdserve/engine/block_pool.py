@@ -122,16 +122,6 @@ class BlockPool:
             return None
         return block.block_id
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; refused (False) while any block is in use."""
-        if self.num_used_blocks > 0:
-            return False
-        for block in self._cached.values():
-            block.block_hash = None
-            block.token_ids = None
-        self._cached.clear()
-        return True
-
     def check_integrity(self) -> None:
         """Raise AssertionError describing the first broken invariant, if any."""
         self._free.check_links()

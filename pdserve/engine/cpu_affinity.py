@@ -18,10 +18,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pdserve.engine.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -149,15 +145,15 @@ def pin_process(cores: frozenset[int]) -> None:
             pinned.add(tid)
 
 
-def apply_cpu_settings(config: EngineConfig, role: str) -> CpuClaim | None:
+def apply_cpu_settings(affinity: CpuAffinity | None, num_threads: int | None,
+                       role: str) -> CpuClaim | None:
     """Claim and apply this worker's core set (if its role has any) and torch's thread count
     (``num_threads``, else the claimed set's size); call before the engine starts threads."""
     claim = None
-    affinity = config.cpu_affinity
     if affinity is not None and affinity.sets_for(role):
         claim = claim_core_set(affinity, role)
         pin_process(claim.cores)
-    threads = config.num_threads or (len(claim.cores) if claim is not None else None)
+    threads = num_threads or (len(claim.cores) if claim is not None else None)
     if threads is not None:
         import torch
 

@@ -15,9 +15,13 @@ import torch
 
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.kv_cache import allocate_kv_cache
+from pdserve.engine.kv_cache import (
+    allocate_kv_cache,
+    kv_layout_for,
+    max_model_len_for,
+    num_kv_blocks_for,
+)
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_layout import NAME_BY_DTYPE, KVLayout
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestMode, RequestStatus
@@ -75,7 +79,6 @@ class KVStats:
 class EngineStats:
     num_steps: int = 0
     num_tokens_computed: int = 0  # every token that went through the model
-    num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_aborted: int = 0  # live requests stopped from outside (client gone, handoff failed)
 
@@ -106,20 +109,11 @@ class LLMEngine:
         self.loaded = loaded
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
-        mc = loaded.config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
-        self.layout = KVLayout(
-            model_fingerprint=loaded.fingerprint,
-            dtype=NAME_BY_DTYPE[loaded.dtype],
-            block_size=config.block_size,
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim,
-        )
-        num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * 2**30) // (self.layout.block_bytes * mc.num_layers)
-        )
+        self.max_model_len = max_model_len_for(loaded.config, config.max_model_len)
+        self.layout = kv_layout_for(loaded.config, loaded.fingerprint, loaded.dtype,
+                                    config.block_size)
+        num_blocks = num_kv_blocks_for(self.layout, config.num_kv_blocks,
+                                       config.kv_cache_memory_gb)
         self.kv_cache = allocate_kv_cache(self.layout, num_blocks, self.device)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, loaded.fingerprint, config.enable_prefix_caching
@@ -328,7 +322,6 @@ class LLMEngine:
             return None
         new_ids = request.output_token_ids[tracked.num_reported:]
         tracked.num_reported = len(request.output_token_ids)
-        self.stats.num_generated_tokens += len(new_ids)
         stream = tracked.stream
         text = stream.add(new_ids[0]) if len(new_ids) == 1 else "".join(map(stream.add, new_ids))
         # A PREFILLED request's blocks are still being sent: the decode side applies the stop.

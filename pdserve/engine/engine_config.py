@@ -1,6 +1,7 @@
 """The settings of one engine instance: model, dtype, device, KV cache size and batch limits.
 
-Validated on construction so a bad value fails before any weight is loaded.
+Values only: the config schema (`cluster/config_sections.EngineSection`) holds every default
+and check, and `EngineSection.to_engine_config` fills this in.
 """
 
 from __future__ import annotations
@@ -10,48 +11,30 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.cpu_affinity import CpuAffinity
-from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_layout import DTYPE_BY_NAME
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model_path: str
-    dtype: str = "float32"
-    device: str = "auto"  # "auto": CUDA when available, else CPU
-    block_size: int = 16
-    # Blocks in the cache; None sizes it from kv_cache_memory_gb.
-    num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 0.5
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    # None: the model's max_position_embeddings.
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
+    dtype: str  # a DTYPE_BY_NAME key
+    device: str  # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"
+    block_size: int
+    # Blocks in the cache; None sizes it from kv_cache_memory_gb (`kv_cache.num_kv_blocks_for`).
+    num_kv_blocks: int | None
+    kv_cache_memory_gb: float
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    # None: the model's max_position_embeddings (`kv_cache.max_model_len_for`).
+    max_model_len: int | None
+    enable_prefix_caching: bool
     # Cap on one request's prefill chunk per step (0: no cap beyond the step budget), so a
     # long prompt cannot stall the decodes that share its steps.
-    long_prefill_token_threshold: int = 0
+    long_prefill_token_threshold: int
     # torch intra-op threads of the worker (None: the claimed core set's size, else torch's).
-    num_threads: int | None = None
+    num_threads: int | None
     # Core sets the worker claims one of and binds to (cpu_affinity.apply_cpu_settings).
-    cpu_affinity: CpuAffinity | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BY_NAME:
-            raise InvalidRequestError(
-                f"dtype {self.dtype!r} is not supported; use one of {sorted(DTYPE_BY_NAME)}"
-            )
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise InvalidRequestError(f"device {self.device!r} must be auto, cpu or cuda[:N]")
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) <= 0:
-                raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
-            raise InvalidRequestError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise InvalidRequestError(f"num_threads must be positive, got {self.num_threads}")
-        if self.num_kv_blocks is None and self.kv_cache_memory_gb <= 0:
-            raise InvalidRequestError("kv_cache_memory_gb must be positive")
+    cpu_affinity: CpuAffinity | None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,4 +1,5 @@
-"""Allocation of the paged KV cache tensor described by a `KVLayout`, and sizing helpers.
+"""What a worker's KV cache is derived from its settings: the longest sequence, the layout,
+the number of blocks, and the cache tensor itself (every caller sizes it through here).
 
 One tensor per worker: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
 """
@@ -9,6 +10,14 @@ import torch
 
 from pdserve.engine.kv_layout import NAME_BY_DTYPE, KVLayout
 from pdserve.engine.model_config import ModelConfig
+
+GIB = 1 << 30
+
+
+def max_model_len_for(config: ModelConfig, requested: int | None) -> int:
+    """The longest sequence (prompt + output) served: ``requested`` (model.max_model_len),
+    capped by what the model's positions cover; None asks for all of them."""
+    return min(requested or config.max_position_embeddings, config.max_position_embeddings)
 
 
 def kv_layout_for(
@@ -40,4 +49,13 @@ def kv_cache_bytes(layout: KVLayout, num_blocks: int) -> int:
 
 def num_blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
     """The most blocks that fit in `budget_bytes` (0 when not even one does)."""
-    return max(0, budget_bytes // (layout.num_local_layers * layout.block_bytes))
+    return max(0, budget_bytes // kv_cache_bytes(layout, 1))
+
+
+def num_kv_blocks_for(layout: KVLayout, num_kv_blocks: int | None,
+                      kv_cache_memory_gb: float) -> int:
+    """The cache's block count: ``num_kv_blocks`` when given, else as many as
+    ``kv_cache_memory_gb`` holds (at least one)."""
+    if num_kv_blocks is not None:
+        return num_kv_blocks
+    return max(1, num_blocks_for_budget(layout, int(kv_cache_memory_gb * GIB)))

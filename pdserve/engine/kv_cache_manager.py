@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_hash import hash_block
+from pdserve.engine.block_hash import hash_full_blocks
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request
 
@@ -58,11 +58,6 @@ class KVCacheManager:
     @property
     def num_cached_blocks(self) -> int:
         return self._pool.num_cached_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks referenced by requests (evictable cached blocks count as free)."""
-        return self._pool.num_used_blocks / self._pool.num_blocks
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return _cdiv(num_tokens, self.block_size)
@@ -148,9 +143,6 @@ class KVCacheManager:
         if table is not None:
             self._pool.release(reversed(table.block_ids))
 
-    def reset_prefix_cache(self) -> bool:
-        return self._pool.reset_prefix_cache()
-
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref count equals the tables that hold it."""
         self._pool.check_integrity()
@@ -170,9 +162,7 @@ class KVCacheManager:
         """Hashes of the request's first ``num_blocks`` full blocks, extending the memo."""
         hashes = self._hashes.setdefault(request.request_id, [])
         num_blocks = min(num_blocks, request.num_tokens // self.block_size)
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_blocks):
-            tokens = request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
-            parent = hash_block(parent, tokens, self.salt)
-            hashes.append(parent)
+        if num_blocks > len(hashes):
+            tokens = request.token_ids_slice(0, num_blocks * self.block_size)
+            hashes[:] = hash_full_blocks(tokens, self.block_size, self.salt, known=hashes)
         return hashes

@@ -93,11 +93,6 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then output, as a new list (O(n): hot paths use `token_ids_slice`)."""
-        return self.prompt_token_ids + self.output_token_ids
-
     def token_id(self, position: int) -> int:
         """Token ``position`` of prompt+output."""
         num_prompt = len(self.prompt_token_ids)

@@ -53,9 +53,8 @@ class Scheduler:
         self._order: dict[str, tuple[float, int]] = {}  # (arrival_time, registration number)
         self._registrations = itertools.count()
         self._head_blocked = False  # the first waiting request found no seat or blocks
-        # Cumulative, for metrics: preemptions; tokens of admissions and how many of those
-        # came from the prefix cache (hit rate = hit / admitted).
-        self.num_preemptions_total = 0
+        # Cumulative: tokens of admissions and how many of those came from the prefix cache
+        # (hit rate = hit / admitted).
         self.num_admitted_tokens = 0
         self.num_prefix_hit_tokens = 0
 
@@ -394,7 +393,6 @@ class Scheduler:
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self._waiting.appendleft(request)
-        self.num_preemptions_total += 1
         logger.debug(
             "preempted %s (preemption %d), %d KV blocks free",
             request.request_id,

@@ -5,17 +5,39 @@ Tests call it after every step; `LLMEngine.kv_stats` before it reports. It chang
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from pdserve.engine.request import RequestStatus
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import SchedulerConfig
 
-if TYPE_CHECKING:
-    from pdserve.engine.scheduler import Scheduler
+
+class SchedulerState(Protocol):
+    """What the check reads of a `Scheduler` (read-only views of its queues and counts)."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+
+    @property
+    def waiting_requests(self) -> Sequence[Request]: ...
+    @property
+    def running_requests(self) -> Sequence[Request]: ...
+    @property
+    def live_requests(self) -> Iterable[Request]: ...
+    @property
+    def num_prefilled(self) -> int: ...
+    @property
+    def num_awaiting_kv(self) -> int: ...
+    @property
+    def num_seated(self) -> int: ...
+    def age(self, request: Request) -> tuple[float, int]: ...
+
 
 _PINNED: frozenset[RequestStatus] = frozenset({RequestStatus.PREFILLED, RequestStatus.AWAITING_KV})
 
 
-def check_scheduler_integrity(scheduler: Scheduler) -> None:
+def check_scheduler_integrity(scheduler: SchedulerState) -> None:
     """Raise AssertionError naming the first request whose state and blocks disagree."""
     kv = scheduler.kv
     kv.check_integrity()

@@ -12,7 +12,8 @@ from pdserve.engine.request import Request
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    """Limits of one scheduling step.
+    """Limits of one scheduling step, taken from the `EngineConfig` (the config schema checks
+    them; ``max_model_len`` is derived by `kv_cache.max_model_len_for`).
 
     ``max_num_batched_tokens``: token budget per step (prefill chunks + decodes).
     ``max_num_seqs``: requests holding a batch seat (running + awaiting received KV).
@@ -21,20 +22,10 @@ class SchedulerConfig:
     long prompt cannot take the whole budget and stall the decodes for a step.
     """
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int
+    max_num_seqs: int
     max_model_len: int
-    long_prefill_token_threshold: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("max_model_len", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SchedulerConfig.{name} must be > 0, got {getattr(self, name)}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(
-                "SchedulerConfig.long_prefill_token_threshold must be >= 0 (0 = no cap), "
-                f"got {self.long_prefill_token_threshold}"
-            )
+    long_prefill_token_threshold: int
 
 
 @dataclass(frozen=True)
@@ -70,10 +61,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
-
-    @property
-    def num_sampling(self) -> int:
-        return sum(1 for chunk in self.chunks if chunk.samples)
 
 
 @dataclass

@@ -176,10 +176,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._chat_template is not None
-
     def apply_chat_template(
         self, messages: list[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:

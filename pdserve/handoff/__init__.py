@@ -4,7 +4,7 @@ Knows the engine's KV layout; nothing of Ray or HTTP. The contract is `contract.
 
 Typical use (one `HandoffTransport` per process, started once):
 
-    transport = HandoffTransport(HandoffConfig(auth_token=...)).start()
+    transport = HandoffTransport(HandoffConfig(auth_token=..., timeout_s=..., ...)).start()
     receiver = HandoffReceiver(transport, kv_cache, layout)      # decode worker
     ticket = receiver.reserve(request_id, block_ids, layout, num_tokens)
     ... ticket.to_dict() travels to a prefill worker ...

@@ -1,5 +1,5 @@
 """Handoff settings (one frozen record) and the UCX options the transport starts UCX with
-(docs/handoff.md says why each is chosen). The cluster config fills it in (cluster/app.py).
+(docs/handoff.md says why each is chosen).
 """
 
 from __future__ import annotations
@@ -9,39 +9,49 @@ from dataclasses import dataclass
 MIB = 1 << 20
 
 
-@dataclass(frozen=True)
+# The largest piece one send carries (smaller when staging is smaller): big enough that a
+# piece's fixed cost (a header, a message, thread hops) stays small next to its bytes.
+MAX_PIECE_BYTES = 16 * MIB
+
+
+@dataclass(frozen=True, kw_only=True)
 class HandoffConfig:
     """Knobs of one process's handoff transport (sender and receiver roles alike).
 
+    The first group comes from the config schema (`cluster/config_sections.HandoffSection`
+    holds their defaults and checks; `cluster/app.handoff_config` fills them in); the rest
+    are the transport's own tuning, defaulted here only.
+
     ``auth_token`` is the cluster's shared secret: peers prove they know it (HMAC challenge,
-    never sent in clear) before any transfer is accepted. ``host_id`` overrides this
-    machine's identity (hostname and boot id), which decides whether a peer counts as local:
-    local endpoints run without UCX error handling (shared memory) and local peers' processes
-    are checked for liveness directly.
+    never sent in clear) before any transfer is accepted. ``timeout_s`` is a transfer's
+    deadline when `reserve` is given none. ``host_id`` overrides this machine's identity
+    (hostname and boot id), which decides whether a peer counts as local: local endpoints run
+    without UCX error handling (shared memory) and local peers' processes are checked for
+    liveness directly.
     """
 
     auth_token: str
-    default_timeout_s: float = 30.0
+    timeout_s: float
+    receiver_staging_bytes: int
+    sender_staging_bytes: int
+    net_devices: str | None
+    max_piece_bytes: int = MAX_PIECE_BYTES
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
     send_grace_s: float = 2.0
-    receiver_staging_bytes: int = 512 * MIB
-    sender_staging_bytes: int = 512 * MIB
-    max_piece_bytes: int = 16 * MIB
     # Pieces group layers up to this size: each piece costs a header, a message and a few
     # thread hops (~0.1-0.3 ms on 2 busy cores); smaller ones let the gather of the next, the
     # transport of this one and the scatter of the last overlap (a 16 MiB prompt: 4 pieces).
     min_piece_bytes: int = 4 * MIB
     finished_ttl_s: float = 60.0
     ucx_tls: str | None = None
-    net_devices: str | None = None
     host_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.auth_token:
             raise ValueError("HandoffConfig.auth_token must be a non-empty cluster shared secret")
-        for name in ("default_timeout_s", "heartbeat_interval_s", "peer_timeout_s",
+        for name in ("timeout_s", "heartbeat_interval_s", "peer_timeout_s",
                      "handshake_timeout_s", "finished_ttl_s", "min_piece_bytes",
                      "max_piece_bytes"):
             if getattr(self, name) <= 0:

@@ -1,6 +1,7 @@
 """The handoff's contract, written once: what a KV receiver (decode side) and a KV sender
 (prefill side) promise, and who owns which blocks when. `HandoffReceiver` and
-`HandoffSender` implement it over UCXX; nothing above them depends on more than this.
+`HandoffSender` implement it over UCXX; the workers construct those and call the methods
+declared here (plus their `stats()`).
 
 Block ownership during one transfer:
 
@@ -47,16 +48,9 @@ class KVReceiver(ABC):
         (counts, coverage, combined digest) verified; or raises the `HandoffError` that ended
         the transfer. Either way no write into the blocks follows."""
 
-    def wait_ready(self, request_id: str, timeout: float | None = None) -> FenceInfo:
-        """Block until ready (see `ready_future`). The builtin TimeoutError means only this
-        wait timed out: the transfer goes on."""
-        try:
-            return self.ready_future(request_id).result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"request {request_id!r} not ready within {timeout}s") from None
-
     async def wait_ready_async(self, request_id: str, timeout: float | None = None) -> FenceInfo:
-        """`wait_ready` for asyncio code (any event loop)."""
+        """Wait (asyncio, any event loop) until ready (see `ready_future`). The builtin
+        TimeoutError means only this wait timed out: the transfer goes on."""
         future = asyncio.wrap_future(self.ready_future(request_id))
         try:
             return await asyncio.wait_for(asyncio.shield(future), timeout)

@@ -55,7 +55,7 @@ class PieceLanding:
         self._admission.pump()
 
     async def _drain(self, tag: int, endpoint: asyncio.Future[Any]) -> None:
-        timeout = self._transport.config.default_timeout_s
+        timeout = self._transport.config.timeout_s
         await asyncio.wait_for(self._transport.drain(await endpoint, tag), timeout)
         self.num_drained += 1
 

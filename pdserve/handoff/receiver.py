@@ -97,7 +97,7 @@ class HandoffReceiver(KVReceiver):
         if not ids or len(set(ids)) != len(ids) or not all(0 <= b < num_cache_blocks for b in ids):
             raise ValueError(f"block ids must be unique and within [0, {num_cache_blocks})")
         now = time.time()
-        deadline = now + self._config.default_timeout_s if deadline is None else deadline
+        deadline = now + self._config.timeout_s if deadline is None else deadline
         if deadline <= now:
             raise ValueError(f"deadline {deadline} is already past")
         max_piece = min(self._config.max_piece_bytes, self._config.receiver_staging_bytes)

@@ -27,7 +27,7 @@ from pdserve.handoff import (
 )
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
-from pdserve.replica import replica_id
+from pdserve.replica import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +41,14 @@ class PrefillWorker:
     cancelled). Full blocks then stay in the prefix cache.
     """
 
-    def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig) -> None:
+    def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig,
+                 drain_timeout_s: float) -> None:
+        """``drain_timeout_s``: how long a stopping replica waits for its transfers in flight
+        (handoff.drain_timeout_s)."""
         configure_logging()
-        self.cpu_claim = apply_cpu_settings(engine_config, "prefill")  # before any engine thread
+        # Before any engine thread starts: threads inherit the binding.
+        self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
+                                            "prefill")
         self.transport = HandoffTransport(handoff_config).start()
         try:
             self.engine = LLMEngine(engine_config)
@@ -56,9 +61,8 @@ class PrefillWorker:
         self._tickets: dict[str, tuple[HandoffTicket, int]] = {}
         self._transfers: dict[str, OutboundTransfer] = {}
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
-        self.num_transfers_failed = 0
         self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
-        self.drain_timeout_s = handoff_config.default_timeout_s
+        self.drain_timeout_s = drain_timeout_s
         logger.info("prefill worker ready: %d KV blocks of %d tokens",
                     self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
 
@@ -133,7 +137,6 @@ class PrefillWorker:
     def _on_released(self, request_id: str, result: SendResult) -> None:
         """Handoff thread: no send reads the blocks any more; free them on the engine thread."""
         if not result.ok:
-            self.num_transfers_failed += 1
             logger.warning("handoff of %s failed: %s", request_id, result.error)
         self.async_engine.submit(lambda: self._forget(request_id))
 
@@ -148,18 +151,13 @@ class PrefillWorker:
     async def kv_stats(self) -> dict[str, Any]:
         return asdict(await self.async_engine.call(self.engine.kv_stats))
 
-    def role_stats(self) -> dict[str, Any]:
-        """This replica's KV use and queues for the ingress (counters only)."""
-        kv, sched = self.engine.kv_manager, self.engine.scheduler
-        return {"replica_id": replica_id(), "num_blocks": kv.num_blocks,
-                "num_free_blocks": kv.num_free_blocks, "num_running": sched.num_running,
-                "num_waiting": sched.num_waiting, "num_queued_tokens": self.num_queued_tokens}
-
     def record_routing_stats(self) -> dict[str, Any]:
-        """Ray Serve calls this periodically; the prefill request router ranks replicas on it."""
-        kv = self.engine.kv_manager
-        return {"num_free_blocks": kv.num_free_blocks, "num_blocks": kv.num_blocks,
-                "num_waiting": self.engine.scheduler.num_waiting}
+        """This replica's load (`WorkerLoad`), which Serve asks for on the role's timer and
+        hands to the prefill request router and the ingress (counters only)."""
+        kv, sched = self.engine.kv_manager, self.engine.scheduler
+        return WorkerLoad(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
+                          num_running=sched.num_running, num_waiting=sched.num_waiting,
+                          num_queued_tokens=self.num_queued_tokens).to_stats()
 
     def check_health(self) -> None:
         if self.async_engine.is_dead:

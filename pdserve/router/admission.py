@@ -1,7 +1,7 @@
-"""Admission control at the ingress: a bound on generations in flight, refusing at once.
+"""Admission control at the ingress: a bound on requests in flight, refusing at once.
 
 A full server answers 429 before it reads or tokenizes anything, with a Retry-After taken
-from how fast generations have been finishing; a draining one answers 503.
+from how fast requests have been finishing; a draining one answers 503.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.router.errors import OverloadedError, ServiceUnavailableError
 
+# The config key that sets the limit, named in every refusal (tests hold it to the schema).
+LIMIT_KEY = "router.max_in_flight_requests"
 # Finishes remembered for the drain rate: enough to smooth bursts, few enough to follow load.
 _RATE_WINDOW = 64
 MIN_RETRY_AFTER_S = 1.0
@@ -21,8 +23,8 @@ MAX_RETRY_AFTER_S = 60.0
 
 
 class AdmissionGate:
-    """Counts generations in flight on this ingress replica (a request with ``n`` choices
-    counts ``n``; one event loop: no lock needed)."""
+    """Counts requests in flight on this ingress replica: from admission until their answer
+    ends (a request with ``n`` choices counts ``n``; one event loop: no lock needed)."""
 
     def __init__(self, max_in_flight: int, clock: Callable[[], float] = time.monotonic) -> None:
         if max_in_flight <= 0:
@@ -35,21 +37,25 @@ class AdmissionGate:
         self._finished_at: deque[float] = deque(maxlen=_RATE_WINDOW)
 
     def check_open(self) -> None:
-        """Refuse before any work when nothing more can be admitted."""
-        if self.draining:
-            raise ServiceUnavailableError("the server is shutting down; retry on another one")
-        if self.num_in_flight >= self.max_in_flight:
-            self._reject()
+        """Refuse before any work (the HTTP route calls this before reading the body) when
+        not even one more generation could be admitted; reserves nothing."""
+        self._check(1)
 
     def admit(self, count: int = 1) -> None:
+        """Reserve ``count`` generations once the request is parsed (the count may have
+        changed while its body was read and tokenized), or refuse."""
         if count > self.max_in_flight:
             raise InvalidRequestError(
                 f"n={count} choices exceed what this server runs at once "
-                f"(router.max_queued_requests = {self.max_in_flight}); ask for fewer")
-        self.check_open()
+                f"({LIMIT_KEY} = {self.max_in_flight}); ask for fewer")
+        self._check(count)
+        self.num_in_flight += count
+
+    def _check(self, count: int) -> None:
+        if self.draining:
+            raise ServiceUnavailableError("the server is shutting down; retry on another one")
         if self.num_in_flight + count > self.max_in_flight:
             self._reject()
-        self.num_in_flight += count
 
     def leave(self) -> None:
         self.num_in_flight -= 1
@@ -69,5 +75,5 @@ class AdmissionGate:
         self.num_rejected += 1
         raise OverloadedError(
             self.retry_after_s(),
-            reason=f"{self.num_in_flight} generations in flight, the limit "
-                   f"(router.max_queued_requests) is {self.max_in_flight}")
+            reason=f"{self.num_in_flight} requests in flight, the limit ({LIMIT_KEY}) is "
+                   f"{self.max_in_flight}")

@@ -6,22 +6,47 @@ Errors leave as OpenAI error bodies (`http_errors.install_error_handlers`).
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.router.admission import AdmissionGate
 from pdserve.router.http_errors import install_error_handlers
-from pdserve.router.http_guard import HttpGuard
+from pdserve.router.http_guard import HttpGuard, HttpGuardSettings
+from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.openapi import install_openapi
 from pdserve.router.protocol import ModelCard, ModelList, unix_time
 from pdserve.router.race import Overtaken, unless
 
-if TYPE_CHECKING:
-    from pdserve.router.ingress import Ingress
+
+class ServedModelSettings(Protocol):
+    """The ingress settings the routes read."""
+
+    @property
+    def served_model_name(self) -> str: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def http(self) -> HttpGuardSettings: ...
 
 
-def build_app(ingress: Ingress) -> FastAPI:
+class IngressApi(Protocol):
+    """What the routes call on the ingress (`ingress.Ingress`): the answers and the gate."""
+
+    @property
+    def settings(self) -> ServedModelSettings: ...
+    @property
+    def admission(self) -> AdmissionGate: ...
+    @property
+    def metrics(self) -> PdserveMetrics: ...
+    async def chat(self, body: bytes) -> Response: ...
+    async def completion(self, body: bytes) -> Response: ...
+    async def health(self) -> tuple[int, dict[str, Any]]: ...
+    def render_metrics(self) -> bytes: ...
+
+
+def build_app(ingress: IngressApi) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible PD-disaggregated serving")
     install_error_handlers(app, extra_exception_classes=_ray_backpressure_classes())
     app.add_middleware(HttpGuard, settings=ingress.settings.http)
@@ -29,7 +54,7 @@ def build_app(ingress: Ingress) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        ingress.admission.check_open()  # before the body is even read
+        ingress.admission.check_open()  # a full server refuses before the body is read
         body = await request.body()
         return await until_disconnected(request, ingress.chat(body))
 

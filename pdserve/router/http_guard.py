@@ -16,24 +16,20 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.router.errors import AuthenticationError, RequestTooLargeError
 from pdserve.router.http_errors import openai_error
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 # Load balancers and orchestrators probe liveness without credentials.
 OPEN_PATHS = frozenset({"/health"})
 METRICS_PATH = "/metrics"
 _BEARER = b"bearer "
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HttpGuardSettings:
-    """What the guard enforces; no keys: every request passes the key check."""
+    """What the guard enforces (the http.* keys of the config schema, which checks them); no
+    keys: every request passes the key check."""
 
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    api_keys: tuple[str, ...] = field(default=(), repr=False)
-    metrics_require_api_key: bool = True
-
-    def __post_init__(self) -> None:
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+    max_body_bytes: int
+    api_keys: tuple[str, ...] = field(repr=False)
+    metrics_require_api_key: bool
 
 
 class ApiKeys:

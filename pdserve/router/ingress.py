@@ -58,11 +58,11 @@ class IngressSettings:
     model_path: str
     served_model_name: str
     max_model_len: int
-    max_in_flight: int
+    max_in_flight_requests: int
     request_timeout_s: float
     pipeline: PipelineSettings
     plane_token: str  # the cluster's token: decode replicas prove they hold it
-    http: HttpGuardSettings = HttpGuardSettings()
+    http: HttpGuardSettings
 
 
 class Ingress:
@@ -81,7 +81,7 @@ class Ingress:
         self.plane = TokenPlane(settings.plane_token, node_ip())
         self.pipeline = GenerationPipeline(decode, prefill, settings.pipeline, self.plane,
                                            self.roles)
-        self.admission = AdmissionGate(settings.max_in_flight)
+        self.admission = AdmissionGate(settings.max_in_flight_requests)
         self.metrics = PdserveMetrics()
         # Deadlines of the generations in flight; a drain pulls them in.
         self._deadlines: set[asyncio.Timeout] = set()
@@ -101,18 +101,18 @@ class Ingress:
 
     # ---- requests ----------------------------------------------------------------------
     async def chat(self, body: bytes) -> Response:
-        self._admit_any()
+        """The route checked the gate before reading ``body``; `_serve` admits the choices."""
+        self._watch_roles()
         prompt = await self.prompts.chat(body)
         return await self._serve(prompt, new_request_id("chat"), chat=True)
 
     async def completion(self, body: bytes) -> Response:
-        self._admit_any()
+        self._watch_roles()
         prompt = await self.prompts.completion(body)
         return await self._serve(prompt, new_request_id("completion"), chat=False)
 
-    def _admit_any(self) -> None:
-        """Before any work: refuse while full or draining; start watching the roles."""
-        self.admission.check_open()
+    def _watch_roles(self) -> None:
+        """Start watching the roles (on the first request: the loop runs by then)."""
         if self.roles is not None:
             self.roles.start()
 

@@ -79,8 +79,9 @@ class PdserveMetrics:
                                   "gone, decode prefilled).", ["reason"], registry=r)
         self._handoff_failures = Counter("pdserve:handoff_failures", "KV handoffs that failed, "
                                          "by what failed.", ["reason"], registry=r)
-        self._in_flight = Gauge("pdserve:num_requests_in_flight", "Generations this ingress "
-                                "admitted that have not finished.", registry=r)
+        self._in_flight = Gauge("pdserve:num_requests_in_flight", "Requests this ingress "
+                                "admitted that have not finished (n choices count n), against "
+                                "router.max_in_flight_requests.", registry=r)
         replica = ["role", "replica"]
         self._kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of a replica's KV "
                                "blocks in use (cached-only blocks count as free).", replica,

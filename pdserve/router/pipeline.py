@@ -35,7 +35,7 @@ class PipelineSettings:
     # cost more than recomputing it.
     min_disaggregated_prompt_tokens: int
     # Longer prompts too, while the prefill role is busy (see prefill_load.py).
-    local_prefill: LocalPrefillPolicy = LocalPrefillPolicy(max_local_tokens=0, queue_factor=0)
+    local_prefill: LocalPrefillPolicy
 
 
 class GenerationPipeline:

@@ -17,6 +17,7 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from pdserve.replica import WorkerLoad
 from pdserve.router.pairing import (
     KVHeadroom,
     PrefixOwnerTable,
@@ -40,8 +41,9 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
     """Send a prompt where its prefix went last, unless that replica lags: for prefill (the
     prefix is computed already) and for decode (its KV need not be sent again)."""
 
-    def initialize_state(self, block_size: int = 16, max_prefix_blocks: int = 64,
+    def initialize_state(self, block_size: int, max_prefix_blocks: int = 64,
                          max_imbalance: int = 4, **_: Any) -> None:
+        """``block_size``: engine.block_size (the app passes it), so hashes cover whole blocks."""
         self.block_size = block_size
         self.max_prefix_blocks = max_prefix_blocks
         self.max_imbalance = max_imbalance
@@ -80,10 +82,9 @@ class KVHeadroomRouter(FIFOMixin, RequestRouter):
                               ) -> list[list[RunningReplica]]:
         headroom = {}
         for replica in candidate_replicas:
-            stats = replica.routing_stats or {}
-            if "num_blocks" in stats:
-                headroom[replica.replica_id] = KVHeadroom(int(stats["num_free_blocks"]),
-                                                          int(stats["num_blocks"]))
+            load = WorkerLoad.from_stats(replica.routing_stats or {})
+            if load is not None:
+                headroom[replica.replica_id] = KVHeadroom(load.num_free_blocks, load.num_blocks)
         by_id = {r.replica_id: r for r in candidate_replicas}
         return [[by_id[rid] for rid in rank]
                 for rank in rank_by_headroom(list(by_id), headroom, self.band) if rank]

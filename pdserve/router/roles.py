@@ -9,58 +9,53 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from pdserve.replica import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
 # Running replicas of each role, e.g. {"decode": 1, "prefill": 0}.
 ReplicaCounts = Mapping[str, int]
-# A replica's figures keep counting this long after its last report (it may not have been
-# the one the router picked for the latest probes).
-STATS_TTL_S = 10.0
+# A role's replicas' latest reports: (replica id, routing stats) each.
+RoutingStats = Callable[[Any], list[tuple[str, Mapping[str, Any]]]]
 
 
-@dataclass(frozen=True)
-class ReplicaLoad:
-    """One replica's KV pool and queues, as it reported them (`role_stats`)."""
+@dataclass(frozen=True, kw_only=True)
+class ReplicaLoad(WorkerLoad):
+    """One replica's load as it last reported it, labelled with its role and replica id."""
 
     role: str
     replica_id: str
-    num_blocks: int
-    num_free_blocks: int
-    num_running: int
-    num_waiting: int
-    num_queued_tokens: int = 0  # prompt tokens not prefilled yet (prefill replicas)
-    reported_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def kv_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
 
 class RoleMonitor:
     """Polls every ``interval_s``: Serve's count of running replicas per role (`counts`), and
-    each role's `role_stats` (through its handle, so the role's router picks a replica; with
-    several replicas, as many probes as replicas, and each one's latest figures kept).
+    each running replica's load as it last reported it to Serve (``routing_stats``, read
+    from the role's handle: the same record the role's request router ranks replicas on).
 
     Serve's controller notices a replica that died only at its next health check; a call
     that failed because its replica died says so at once (`report_dead`): the role then
-    counts as missing until a probe sent after that gets an answer.
+    counts as missing until a probe (``check_health`` through its handle) sent after that
+    gets an answer.
     """
 
     def __init__(self, handles: Mapping[str, Any], counts: Callable[[], Awaitable[ReplicaCounts]],
-                 interval_s: float = 1.0, probe_timeout_s: float = 2.0) -> None:
+                 interval_s: float = 1.0, probe_timeout_s: float = 2.0,
+                 routing_stats: RoutingStats | None = None) -> None:
         self.handles = dict(handles)
         self._counts_source = counts
+        self._routing_stats = routing_stats or serve_routing_stats
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
         self.counts: dict[str, int] | None = None  # None until the first poll answered
-        self._loads: dict[tuple[str, str], ReplicaLoad] = {}
+        self._loads: list[ReplicaLoad] = []
         self._task: asyncio.Task[None] | None = None
         self.refreshed = asyncio.Event()
         self._dead_since: dict[str, float] = {}
         self._gone = {role: asyncio.Event() for role in self.handles}
+        self._unreadable: set[str] = set()  # roles whose loads Serve's handle does not show
 
     def start(self) -> None:
         """Start polling on the running loop (idempotent)."""
@@ -95,8 +90,8 @@ class RoleMonitor:
         return self._gone[role]
 
     def loads(self) -> list[ReplicaLoad]:
-        now = time.monotonic()
-        return [load for load in self._loads.values() if now - load.reported_at < STATS_TTL_S]
+        """Every running replica's load, as of the last poll."""
+        return list(self._loads)
 
     async def _run(self) -> None:
         while True:
@@ -108,32 +103,61 @@ class RoleMonitor:
 
     async def poll(self) -> None:
         counts = dict(await self._counts_source())
-        # A role reported dead is probed even where Serve still counts no replica for it.
-        probes = [self._probe(role) for role, n in counts.items() if role in self.handles
-                  for _ in range(max(n, role in self._dead_since))]
-        await asyncio.gather(*probes)
+        await asyncio.gather(*(self._probe(role) for role in list(self._dead_since)))
         self.counts = counts
-        alive = {role for role, n in counts.items() if n}
-        self._loads = {key: load for key, load in self._loads.items() if key[0] in alive}
+        self._loads = [load for role in self.handles if counts.get(role)
+                       for load in self._reported(role)]
         self.refreshed.set()
+
+    def _reported(self, role: str) -> list[ReplicaLoad]:
+        try:
+            reports = self._routing_stats(self.handles[role])
+        except LookupError as exc:
+            if role not in self._unreadable:
+                self._unreadable.add(role)
+                logger.warning("%s: the %s replicas' loads stay unknown (no per-replica "
+                               "metrics; prefill queues counted from this ingress only)",
+                               exc, role)
+            return []
+        return [ReplicaLoad(role=role, replica_id=replica, **load.to_stats())
+                for replica, stats in reports
+                if (load := WorkerLoad.from_stats(stats)) is not None]
 
     async def _probe(self, role: str) -> None:
         sent_at = time.monotonic()
         try:
             async with asyncio.timeout(self.probe_timeout_s):
-                stats = await self.handles[role].role_stats.remote()
+                await self.handles[role].check_health.remote()
         except Exception:  # noqa: BLE001 - a slow or dying replica just misses this round
             return
         if self._dead_since.get(role, sent_at) < sent_at:  # a live replica answered
             del self._dead_since[role]
             self._gone[role].clear()
-        load = ReplicaLoad(role=role, replica_id=str(stats["replica_id"]),
-                           num_blocks=int(stats["num_blocks"]),
-                           num_free_blocks=int(stats["num_free_blocks"]),
-                           num_running=int(stats["num_running"]),
-                           num_waiting=int(stats["num_waiting"]),
-                           num_queued_tokens=int(stats.get("num_queued_tokens", 0)))
-        self._loads[(role, load.replica_id)] = load
+
+
+def serve_routing_stats(handle: Any) -> list[tuple[str, Mapping[str, Any]]]:
+    """(replica id, latest `record_routing_stats` answer) of each running replica, as Serve's
+    controller delivered them to this handle's router; replicas that have not reported yet
+    are left out. A handle that made no call yet gets its router started here (empty until
+    Serve's first update reaches it).
+
+    Serve (2.60) has no public call for these: its handle's router keeps the running
+    replicas with their stats, and this reads them where it keeps them.
+    """
+    if not getattr(handle, "is_initialized", True):
+        handle.options()  # Serve starts a handle's router on its first options() or call
+        return []
+    router = getattr(getattr(handle, "_router", None), "_asyncio_router", None)
+    if router is None:
+        raise LookupError("this Ray Serve keeps its replicas' routing stats elsewhere")
+    request_router = getattr(router, "_request_router", None)
+    if request_router is not None:
+        replicas = [(r.replica_id, r.routing_stats)
+                    for r in list(request_router.curr_replicas.values())]
+    else:  # Serve hands the replicas to the request router when it first routes
+        replicas = [(info.replica_id, info.routing_stats)
+                    for info in list(getattr(router, "_running_replicas", None) or [])]
+    return [(str(replica.unique_id), dict(stats or {})) for replica, stats in replicas]
 
 
 async def serve_replica_counts(app_name: str, roles: list[str]) -> dict[str, int]:

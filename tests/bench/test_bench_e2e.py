@@ -17,11 +17,11 @@ from pdserve.bench.compare import compare_main
 from pdserve.bench.plan_command import plan_command
 from pdserve.bench.serve_launcher import ServeLauncher
 from pdserve.bench.slo import parse_goodput
-from pdserve.cluster.cli import build_parser, main
+from pdserve.cli import build_parser, main
 from pdserve.cluster.config import load_config
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -58,7 +58,7 @@ def test_bench_against_pdserve_writes_runs_plots_and_summary(served_apps: Served
 
 def pinned_config(tmp_path: Path, model: str, name: str, mode: str,
                   affinity: dict[str, list[int]]) -> Path:
-    from served import app_config
+    from tests.support.ray_serve import app_config
 
     raw = app_config(model, mode)
     if mode == "colocated":
@@ -82,7 +82,7 @@ def test_compare_runs_each_setup_with_every_worker_on_its_own_core(
          "--request-rate", "inf", "--goodput", "ttft:60000", "--num-warmups", "0",
          "--result-dir", str(out)])
     assert compare_main(args, parse_goodput(args.goodput), args.request_rate,
-                        launcher=ServeLauncher(ray_serve.proxy_url)) == 0
+                        launcher=ray_serve.launcher) == 0
     runs = {r["setup"]: r for r in runs_in(out)}
     assert set(runs) == {"colo2", "disagg1p1d"}
     pinned = {setup: sorted((p["deployment"], p["cpus_allowed"], p["torch_threads"])
@@ -123,7 +123,7 @@ def test_compare_refuses_unequal_resources(tiny_checkpoints: dict[str, str],
 
 def test_plan_profiles_one_replica_per_role_and_writes_a_config_pdserve_accepts(
         ray_serve: ServedApps, tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
-    from served import app_config
+    from tests.support.ray_serve import app_config
 
     config = tmp_path / "profiled.yaml"
     config.write_text(yaml.safe_dump(app_config(tiny_checkpoints["llama"], "disaggregated")))
@@ -132,7 +132,7 @@ def test_plan_profiles_one_replica_per_role_and_writes_a_config_pdserve_accepts(
         ["plan", "--profile", str(config), *LONG_DOC, "--num-prompts", "4", "--profile-rates",
          "2", "8", "--goodput", "ttft:60000", "tpot:30000", "--num-warmups", "1",
          "--total", "3", "--write-config", str(written), "--result-dir", str(tmp_path)])
-    assert plan_command(args, launcher=ServeLauncher(ray_serve.proxy_url)) == 0
+    assert plan_command(args, launcher=ray_serve.launcher) == 0
     profiles = json.loads((tmp_path / "profiles.json").read_text())
     by_role = {p["role"]: p for p in profiles["profiles"]}
     assert [pt["request_rate"] for pt in by_role["prefill"]["points"]] == [2.0, 8.0]

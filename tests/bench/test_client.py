@@ -9,13 +9,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fake_openai import FakeServer, serving
 
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.client import Endpoint, send_request
 from pdserve.bench.runner import LoadSpec, prepare, run_load
 from pdserve.bench.workloads import PromptSpec
-from pdserve.cluster.cli import main
+from pdserve.cli import main
+from tests.bench.fake_openai import FakeServer, serving
 
 
 def _one(server: FakeServer, endpoint: Endpoint, prompt: PromptSpec):

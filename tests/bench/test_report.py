@@ -13,7 +13,7 @@ from pdserve.bench.metrics import summarize
 from pdserve.bench.records import RequestRecord, RunResult, load_runs, save_run
 from pdserve.bench.report import markdown_summary, summarize_runs
 from pdserve.bench.slo import SLO
-from pdserve.cluster.cli import main
+from pdserve.cli import main
 
 TIMINGS = {"path": "disaggregated", "tokenize_ms": 1.0, "decode_reserve_ms": 2.0,
            "prefill_queue_ms": 3.0, "prefill_compute_ms": 4.0, "ttft_ms": 15.0, "e2e_ms": 100.0,

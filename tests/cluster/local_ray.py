@@ -6,57 +6,26 @@ workers) keeps that session id, so `stop` kills exactly those and never another 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tests.support.processes import free_port, stop_sessions
+from tests.support.waiting import wait_for
+
 RAY = str(Path(sys.executable).parent / "ray")
 SERVE = str(Path(sys.executable).parent / "serve")
 START_TIMEOUT_S = 90.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str,
-             interval_s: float = 0.2) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
-
-
-def _session_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Fields after the command name, which may itself hold spaces or parentheses.
-    fields = stat[stat.rindex(")") + 2:].split()
-    return int(fields[3])  # state, ppid, pgrp, session
-
-
-def pids_in_sessions(session_ids: set[int]) -> list[int]:
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    return [pid for pid in pids if pid != os.getpid() and _session_of(pid) in session_ids]
 
 
 @dataclass
@@ -94,16 +63,7 @@ class LocalRayCluster:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL, every process of our sessions; never `ray stop`."""
-        for sig, grace_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-            for pid in pids_in_sessions(self.session_ids):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            try:
-                wait_for(lambda: not pids_in_sessions(self.session_ids), grace_s,
-                         "our Ray processes to exit")
-                break
-            except AssertionError:
-                continue
+        stop_sessions(self.session_ids)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 

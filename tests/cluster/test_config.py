@@ -294,7 +294,7 @@ def test_handoff_settings_reach_the_workers_handoff_config() -> None:
     cfg = parse_config(config_with(handoff__staging_buffer_mb=8, handoff__timeout_s=7))
     built = handoff_config(cfg, "a-cluster-token-0123456789")
     assert built.sender_staging_bytes == built.receiver_staging_bytes == 8 << 20
-    assert built.max_piece_bytes == 8 << 20 and built.default_timeout_s == 7
-    # One data path: there is no same-host read to switch on or tune any more.
+    assert built.max_piece_bytes == 8 << 20 and built.timeout_s == 7
+    # One data path: no key turns on a same-host read.
     problems = problems_of(config_with(handoff__same_host_reads=True))
     assert any("same_host_reads" in p for p in problems), problems

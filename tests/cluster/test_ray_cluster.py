@@ -19,13 +19,13 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from local_ray import LocalRayCluster, start_head, wait_for
-from served import free_port_range
 
 from pdserve.cluster.capacity import RatioBand, check_ratio_band, parse_ratio
 from pdserve.cluster.config import parse_config
-from pdserve.cluster.frontend import MAX_INGRESS_REPLICAS_PER_NODE, direct_ingress_env
+from pdserve.cluster.frontend import direct_ingress_env, free_http_port
 from pdserve.cluster.serve_config import serve_deploy_config
+from tests.cluster.local_ray import LocalRayCluster, start_head
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -68,7 +68,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoints: dict[str, str]) -> Iterator[Cluster]:
     # Every node runs Serve as the cluster files start it: the ingress serves http.port.
-    http_port = free_port_range(MAX_INGRESS_REPLICAS_PER_NODE + 1)
+    http_port = free_http_port()
     ray = start_head(num_cpus=2, resources={"pd_prefill": 4},
                      extra_env=direct_ingress_env(http_port))
     try:
@@ -95,11 +95,11 @@ def metric_value(text: str, name: str) -> float:
 
 
 def reference_text(model_path: str) -> str:
+    from pdserve.cluster.config import engine_config
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.engine_config import EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model_path=model_path, num_kv_blocks=128))
+    engine = LLMEngine(engine_config(model_path, num_kv_blocks=128))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": LONG_PROMPT}])
     [tokens] = engine.generate([engine.tokenizer.encode(prompt)], SamplingParams(
         max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))

@@ -9,10 +9,8 @@ stop every Ray on the machine) on free ports, a private temp dir and its own tok
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from local_ray import RAY, free_port, pids_in_sessions, wait_for
+
+from tests.cluster.local_ray import RAY
+from tests.support.processes import free_port, stop_sessions
 
 REPO = Path(__file__).resolve().parents[2]
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
@@ -71,16 +71,7 @@ def kill_head(tmp: Path) -> None:
     sid_file = tmp / "head_sid"
     if not sid_file.exists():
         return
-    sessions = {int(sid_file.read_text())}
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids_in_sessions(sessions):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-        try:
-            wait_for(lambda: not pids_in_sessions(sessions), 5, "the ray up head to exit")
-            return
-        except AssertionError:
-            continue
+    stop_sessions({int(sid_file.read_text())}, grace_s=5.0)
 
 
 @pytest.fixture

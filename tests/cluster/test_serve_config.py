@@ -12,10 +12,10 @@ from ray.serve import Application
 from ray.serve._private.build_app import build_app
 from ray.serve.schema import ServeDeploySchema
 
+from pdserve.cli import main
 from pdserve.cluster.app import build
-from pdserve.cluster.cli import main
 from pdserve.cluster.config import parse_config
-from pdserve.cluster.frontend import MAX_INGRESS_REPLICAS_PER_NODE
+from pdserve.cluster.frontend import PORTS_PER_NODE
 from pdserve.cluster.serve_config import BUILDER_PATH, autoscaling_policy, serve_deploy_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_generated_serve_config_carries_the_band_policy(tmp_path: Path,
         "policy_function": "pdserve.cluster.band_policy:RatioBandPolicy",
         "policy_kwargs": {"ratio_band_min": "1:4", "ratio_band_max": "1:1"}}
     # http.frontend direct: the ingress replicas serve 8000 on; Serve's proxy moves after them.
-    assert schema.http_options.port == 8000 + MAX_INGRESS_REPLICAS_PER_NODE
+    assert schema.http_options.port == 8000 + PORTS_PER_NODE - 1
 
 
 def test_inline_serve_config_embeds_the_mapping(tiny_checkpoints: dict[str, str]) -> None:

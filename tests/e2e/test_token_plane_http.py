@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
+from pdserve.cluster.config import engine_config
 from pdserve.decode.token_wire import decode_handshake
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.sse import split_sse_data
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -37,16 +37,16 @@ def prompt(i: int) -> list[int]:
 @pytest.fixture(scope="module")
 def colocated(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
     """A colocated app admitting 64 requests at once (the session's `colo` admits 4)."""
-    from served import app_config
+    from tests.support.ray_serve import app_config
 
     with ray_serve.deploy(APP, app_config(tiny_checkpoints["llama"], "colocated",
-                                          max_queued_requests=96)) as url:
+                                          max_in_flight_requests=96)) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def greedy(tiny_checkpoints: dict[str, str]) -> dict[int, list[int]]:
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=512))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=512))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     outputs = engine.generate([prompt(i) for i in range(64)], params)
     return dict(enumerate(outputs))

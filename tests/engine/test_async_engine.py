@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, merge_outputs
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -20,7 +20,7 @@ PARAMS = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints: dict[str, str]) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=64))
+    return LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=64))
 
 
 def run_stream(engine: LLMEngine, rid: str, consumer_delay_s: float) -> list[RequestOutput]:

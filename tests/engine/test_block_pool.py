@@ -130,16 +130,6 @@ def test_prefix_caching_disabled_never_caches() -> None:
     assert pool.lookup(b"h" * 32, [1]) is None and pool.num_cached_blocks == 0
 
 
-def test_reset_prefix_cache_only_when_nothing_is_used() -> None:
-    pool, ids, hashes = _cached_pool(3, 2)
-    assert pool.reset_prefix_cache() is False
-    assert pool.num_cached_blocks == 2
-    pool.release(ids)
-    assert pool.reset_prefix_cache() is True
-    assert pool.num_cached_blocks == 0 and pool.lookup(hashes[0], [0, 0, 0, 0]) is None
-    pool.check_integrity()
-
-
 @pytest.mark.parametrize(
     "corrupt, message",
     [

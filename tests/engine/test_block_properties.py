@@ -9,13 +9,13 @@ from __future__ import annotations
 from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from scheduler_driver import FakeRunner, make_request, make_scheduler
 
 from pdserve.engine.block_hash import hash_block
 from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.errors import OutOfKVBlocksError, PromptTooLongError
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.scheduler import Scheduler
+from tests.engine.scheduler_driver import FakeRunner, make_request, make_scheduler
 
 NUM_POOL_BLOCKS = 6
 MAX_MODEL_LEN = 40
@@ -89,14 +89,6 @@ class BlockPoolMachine(RuleBasedStateMachine):
         entry = self.cached.get(block_hash)
         expected = entry[0] if entry is not None and not forged else None
         assert self.pool.lookup(block_hash, tokens) == expected
-
-    @rule()
-    def reset(self) -> None:
-        expected = not any(self.refs)
-        if expected:
-            self.cached.clear()
-            self.hash_of.clear()
-        assert self.pool.reset_prefix_cache() is expected
 
     @invariant()
     def matches_model(self) -> None:

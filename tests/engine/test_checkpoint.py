@@ -20,7 +20,9 @@ from pdserve.engine.kv_cache import (
     allocate_kv_cache,
     kv_cache_bytes,
     kv_layout_for,
+    max_model_len_for,
     num_blocks_for_budget,
+    num_kv_blocks_for,
 )
 from pdserve.engine.model_config import ModelConfig
 
@@ -193,3 +195,12 @@ def test_kv_cache_helpers(tiny_checkpoints: dict[str, str]) -> None:
     assert cache.dtype == torch.bfloat16 and not cache.any()
     assert kv_cache_bytes(layout, 10) == cache.numel() * cache.element_size()
     assert num_blocks_for_budget(layout, kv_cache_bytes(layout, 10) + 1) == 10
+    # What every engine sizes its cache and sequences by.
+    gib = kv_cache_bytes(layout, 10) / 2**30
+    assert num_kv_blocks_for(layout, None, gib) == 10
+    assert num_kv_blocks_for(layout, 3, gib) == 3
+    assert num_kv_blocks_for(layout, None, 1e-12) == 1  # at least one block
+    longest = config.max_position_embeddings
+    assert max_model_len_for(config, None) == longest
+    assert max_model_len_for(config, 100) == 100
+    assert max_model_len_for(config, longest + 1) == longest

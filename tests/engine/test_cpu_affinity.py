@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 
 import pytest
-from cpu_claim_child import affinity, claim_and_hold
 
 from pdserve.engine.cpu_affinity import (
     CpuAffinityError,
@@ -18,7 +17,7 @@ from pdserve.engine.cpu_affinity import (
     format_cpu_list,
     parse_cpu_list,
 )
-from pdserve.engine.engine_config import EngineConfig
+from tests.engine.cpu_claim_child import affinity, claim_and_hold
 
 CTX = multiprocessing.get_context("spawn")
 CORES = sorted(os.sched_getaffinity(0))
@@ -81,9 +80,7 @@ def _pin_and_report(claim_dir: str, core: int, out: multiprocessing.Queue) -> No
     before = threading.Event()
     early = threading.Thread(target=before.wait, daemon=True)  # exists before pinning
     early.start()
-    config = EngineConfig(model_path="unused", num_threads=2,
-                          cpu_affinity=affinity(Path(claim_dir), str(core)))
-    claim = apply_cpu_settings(config, "decode")
+    claim = apply_cpu_settings(affinity(Path(claim_dir), str(core)), 2, "decode")
     seen: dict[str, object] = {}
 
     def engine_like() -> None:  # a thread started after pinning runs torch's parallel ops
@@ -134,5 +131,5 @@ def test_num_threads_alone_sets_torch_threads_without_pinning() -> None:
 def _threads_only(out: multiprocessing.Queue) -> None:
     import torch
 
-    claim = apply_cpu_settings(EngineConfig(model_path="unused", num_threads=1), "decode")
+    claim = apply_cpu_settings(None, 1, "decode")
     out.put((claim, torch.get_num_threads(), sorted(os.sched_getaffinity(0))))

@@ -10,12 +10,11 @@ import random
 import pytest
 import torch
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.request import RequestMode
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.prefill.api import PrefillRequest, first_block_to_send
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +25,7 @@ def loaded(tiny_checkpoints: dict[str, str]) -> LoadedModel:
 def engine(loaded: LoadedModel, path: str, **kw: object) -> LLMEngine:
     settings: dict[str, object] = {"num_kv_blocks": 256, "block_size": 8}
     settings.update(kw)
-    return LLMEngine(EngineConfig(model_path=path, **settings), loaded=loaded)  # type: ignore[arg-type]
+    return LLMEngine(engine_config(path, **settings), loaded=loaded)  # type: ignore[arg-type]
 
 
 def run_until_finished(e: LLMEngine, request_id: str) -> tuple[list[int], str, str | None]:
@@ -96,20 +95,6 @@ def test_decode_reuses_a_prefix_it_holds_and_receives_only_the_rest(loaded,
         [second_turn], params)[0]
     for e in (prefill, decode):
         assert e.kv_stats().num_free_blocks == e.kv_stats().num_blocks
-
-
-@pytest.mark.parametrize(("cached", "reserved", "first"), [
-    (0, 90, 0), (56, 34, 7), (55, 35, None), (-8, 98, None), (56, 33, None)])
-def test_prefill_sends_from_the_block_after_what_decode_holds(cached: int, reserved: int,
-                                                              first: int | None) -> None:
-    """A 90-token prompt, 8-token blocks: decode's prefix must be whole blocks and the ticket
-    must cover exactly the rest, else the prefill worker refuses (the router recomputes)."""
-    request = PrefillRequest("r", list(range(90)), SamplingParams(), {}, cached)
-    if first is None:
-        with pytest.raises(ValueError, match="decode worker holds"):
-            first_block_to_send(request, reserved, 8)
-    else:
-        assert first_block_to_send(request, reserved, 8) == first
 
 
 def test_recompute_resume_equals_one_engine(loaded, tiny_checkpoints) -> None:

@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -62,7 +62,7 @@ def make_engine(loaded: LoadedModel, path: str, **overrides: object) -> LLMEngin
     settings: dict[str, object] = {
         "block_size": 16, "num_kv_blocks": 512, "max_num_batched_tokens": 2048}
     settings.update(overrides)
-    return LLMEngine(EngineConfig(model_path=path, **settings), loaded=loaded)  # type: ignore[arg-type]
+    return LLMEngine(engine_config(path, **settings), loaded=loaded)  # type: ignore[arg-type]
 
 
 def assert_all_free(engine: LLMEngine) -> None:

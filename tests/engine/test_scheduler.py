@@ -10,7 +10,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from scheduler_driver import (
+
+from pdserve.engine.errors import InvalidRequestError, OutOfKVBlocksError, PromptTooLongError
+from pdserve.engine.request import Request, RequestMode, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from tests.engine.scheduler_driver import (
     EOS,
     FakeRunner,
     is_finished_with,
@@ -19,11 +24,6 @@ from scheduler_driver import (
     run_to_completion,
     step,
 )
-
-from pdserve.engine.errors import InvalidRequestError, OutOfKVBlocksError, PromptTooLongError
-from pdserve.engine.request import Request, RequestMode, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
 
 
 def _outputs(requests: Sequence[Request]) -> dict[str, list[int]]:

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 
 @pytest.fixture(scope="session")
 def open_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
     """URL of a disaggregated app without API keys (see `edge_apps.open_app_config`)."""
-    from edge_apps import open_app_config
+    from tests.faults.edge_apps import open_app_config
 
     return ray_serve.start_app("edge_open", open_app_config(tiny_checkpoints["llama"]))
 
@@ -24,7 +24,7 @@ def open_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
 def keyed_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
     """URL of an app taking YAML_KEY (from its config) and ENV_KEY (from $PDSERVE_API_KEY,
     set while the app is built: pdserve reads it there)."""
-    from edge_apps import ENV_KEY, keyed_app_config
+    from tests.faults.edge_apps import ENV_KEY, keyed_app_config
 
     saved = os.environ.get("PDSERVE_API_KEY")
     os.environ["PDSERVE_API_KEY"] = ENV_KEY

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from served import app_config
+from tests.support.ray_serve import app_config
 
 YAML_KEY = "edge-yaml-key-0123456789abcdef"
 ENV_KEY = "edge-env-key-fedcba9876543210"

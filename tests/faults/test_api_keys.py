@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from edge_apps import ENV_KEY, YAML_KEY, assert_openai_error
+
+from tests.faults.edge_apps import ENV_KEY, YAML_KEY, assert_openai_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -6,65 +6,33 @@ whatever Ray is told; Ray's token auth, which `pdserve serve` turns on, refuses 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
+from collections.abc import Iterator
 
 import httpx
 import pytest
-import yaml
-from fault_processes import ListeningSocket, in_session, listening_sockets
-from served import free_port, wait_for
+
+from tests.support.pdserve_process import ServeProcess, pdserve_serve
+from tests.support.processes import ListeningSocket, listening_sockets
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-PDSERVE = str(Path(sys.executable).parent / "pdserve")
-LOCAL_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 WILDCARD = {"0.0.0.0", "::"}
 RAY_TOKEN = "bind-test-ray-token-" + "0" * 44
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoints: dict[str, str]):
-    """(base URL, session id, log path) of `pdserve serve` on the default config."""
-    tmp = tmp_path_factory.mktemp("bind")
-    config = yaml.safe_load(LOCAL_CONFIG.read_text())
-    config["model"] = {"path": tiny_checkpoints["llama"], "dtype": "float32"}
-    port = free_port()
-    config["http"]["port"] = port
-    path, log_path = tmp / "serve.yaml", tmp / "serve.log"
-    path.write_text(yaml.safe_dump(config))
-    # A token of ours (pdserve makes a random one when none is set), to check that it opens
-    # what the lack of it keeps shut.
+def served(tmp_path_factory: pytest.TempPathFactory,
+           tiny_checkpoints: dict[str, str]) -> Iterator[ServeProcess]:
+    """`pdserve serve` on the default config, with a Ray token of ours (pdserve makes a random
+    one when none is set), to check that it opens what the lack of it keeps shut."""
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("RAY_", "PDSERVE_"))} | {"RAY_USAGE_STATS_ENABLED": "0",
-                                                            "RAY_AUTH_TOKEN": RAY_TOKEN}
-    with log_path.open("w") as log:
-        server = subprocess.Popen([PDSERVE, "serve", str(path)], stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _healthy(url) or server.poll() is not None, 180, "pdserve serve up")
-        assert server.poll() is None, log_path.read_text()[-3000:]
-        yield url, server.pid, log_path
-    finally:
-        server.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            server.wait(60)
-        for pid in [server.pid, *in_session(server.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+           if not key.startswith(("RAY_", "PDSERVE_"))} | {"RAY_AUTH_TOKEN": RAY_TOKEN}
+    with pdserve_serve(tmp_path_factory.mktemp("bind"), tiny_checkpoints["llama"],
+                       env=env) as server:
+        yield server
 
 
 def _serve_replica_grpc(sock: ListeningSocket) -> bool:
@@ -72,8 +40,8 @@ def _serve_replica_grpc(sock: ListeningSocket) -> bool:
         sock.title.startswith("ray::ServeReplica:"))
 
 
-def test_default_config_listens_on_loopback_only(served) -> None:
-    url, session, log_path = served
+def test_default_config_listens_on_loopback_only(served: ServeProcess) -> None:
+    url, log_path = served.url, served.log_path
     reply = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={  # disaggregated: KV moves
         "model": httpx.get(f"{url}/v1/models").json()["data"][0]["id"], "max_tokens": 4,
         "messages": [{"role": "user", "content": "hello " * 40}]})
@@ -84,7 +52,7 @@ def test_default_config_listens_on_loopback_only(served) -> None:
                and 'status="ok"' in line and float(line.split()[-1]) >= 1 for line in metrics)
     assert not [line for line in metrics if line.startswith("pdserve:fallbacks_total{")
                 and float(line.split()[-1]) > 0]
-    sockets = listening_sockets(in_session(session))
+    sockets = listening_sockets(served.processes())
     assert any(s.port == int(url.rsplit(":", 1)[1]) for s in sockets)  # the check sees HTTP
     exposed = [s for s in sockets if s.host not in LOOPBACK and not _serve_replica_grpc(s)]
     assert not exposed, exposed
@@ -98,11 +66,11 @@ def test_default_config_listens_on_loopback_only(served) -> None:
     assert "Ray node 127.0.0.1" in line and "devices lo" in line and "loopback only" in line
 
 
-def test_serve_replicas_wildcard_grpc_refuses_callers_without_ray_token(served) -> None:
+def test_serve_replicas_wildcard_grpc_refuses_callers_without_ray_token(
+        served: ServeProcess) -> None:
     import grpc
 
-    _, session, _ = served
-    ports = [s.port for s in listening_sockets(in_session(session)) if _serve_replica_grpc(s)]
+    ports = [s.port for s in listening_sockets(served.processes()) if _serve_replica_grpc(s)]
     assert ports
     for port in ports:
         codes = []

@@ -13,7 +13,8 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from edge_apps import OPEN_BODY_LIMIT, assert_openai_error
+
+from tests.faults.edge_apps import OPEN_BODY_LIMIT, assert_openai_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 

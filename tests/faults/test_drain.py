@@ -4,39 +4,20 @@ finish within `http.drain_timeout_s` finish normally, the rest end with an error
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-from served import free_port_range, wait_for
+
+from tests.support.pdserve_process import pdserve_serve
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
-PDSERVE = str(Path(sys.executable).parent / "pdserve")
-LOCAL_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "local.yaml"
 DRAIN_TIMEOUT_S = 3.0
-
-
-def pids_in_session(sid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2:].split()[3]) == sid:
-            pids.append(int(entry))
-    return pids
 
 
 class Stream(threading.Thread):
@@ -72,30 +53,17 @@ class Stream(threading.Thread):
 
 def test_sigterm_drains_open_streams_and_refuses_new_requests(
         tmp_path: Path, tiny_checkpoints: dict[str, str]) -> None:
-    config = yaml.safe_load(LOCAL_CONFIG.read_text())
-    config["model"] = {"path": tiny_checkpoints["llama"], "dtype": "float32"}
-    config["served_model_name"] = "m"
-    port = free_port_range(17)
-    config["http"] = {"host": "127.0.0.1", "port": port, "drain_timeout_s": DRAIN_TIMEOUT_S}
-    path = tmp_path / "serve.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log_path = tmp_path / "serve.log"
-    with log_path.open("w") as log:
-        server = subprocess.Popen([PDSERVE, "serve", str(path)], stdout=log,
-                                  stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: _status(url) == 200 or server.poll() is not None, 180, "server up")
-        assert server.poll() is None, log_path.read_text()[-3000:]
+    with pdserve_serve(tmp_path, tiny_checkpoints["llama"], served_model_name="m",
+                       http={"drain_timeout_s": DRAIN_TIMEOUT_S}) as server:
+        url = server.url
         short, long = Stream(url, 40), Stream(url, 4000)
         for stream in (short, long):
             stream.start()
             assert stream.started.wait(60)
 
         sent_at = time.monotonic()
-        server.send_signal(signal.SIGTERM)
-        wait_for(lambda: _status(url) == 503, 20, "/health to say draining", interval_s=0.02)
+        server.process.send_signal(signal.SIGTERM)
+        wait_for(lambda: server.health() == 503, 20, "/health to say draining", interval_s=0.02)
         refused = httpx.post(f"{url}/v1/completions", timeout=10, json={
             "model": "m", "prompt": "hi", "max_tokens": 2})
         assert refused.status_code == 503
@@ -109,18 +77,7 @@ def test_sigterm_drains_open_streams_and_refuses_new_requests(
         assert long.events[-1] == "[DONE]" and long.finish_reasons() == []
         [error] = long.errors()
         assert "shutting down" in error["message"] and error["code"] == "service_unavailable"
-        assert server.wait(60) == 0
+        assert server.process.wait(60) == 0
         # Stopped after the grace period, not at once and not much later.
         assert DRAIN_TIMEOUT_S <= time.monotonic() - sent_at < DRAIN_TIMEOUT_S + 50
-        wait_for(lambda: not pids_in_session(server.pid), 30, "its Ray processes to exit")
-    finally:
-        for pid in [server.pid, *pids_in_session(server.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(f"{url}/health", timeout=2).status_code
-    except httpx.HTTPError:
-        return None
+        wait_for(lambda: not server.processes(), 30, "its Ray processes to exit")

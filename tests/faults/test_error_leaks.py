@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from edge_apps import assert_openai_error
-from fault_processes import replica_pids
-from served import app_config, wait_for
+
+from tests.faults.edge_apps import assert_openai_error
+from tests.support.processes import replica_pids
+from tests.support.ray_serve import app_config
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -24,7 +24,7 @@ PROMPT_LEN = 100  # above min_disaggregated_prompt_tokens: the disaggregated pat
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoints: dict[str, str]) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    return LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=128))
 
 
 def prompt_ids(engine: LLMEngine) -> list[int]:

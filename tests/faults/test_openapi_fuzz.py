@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from edge_apps import assert_openai_error
+
+from tests.faults.edge_apps import assert_openai_error
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
 

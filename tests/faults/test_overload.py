@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING
 import httpx
 import numpy as np
 import pytest
-from served import wait_for
+
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -26,10 +27,10 @@ BODY = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
 
 @pytest.fixture(scope="module")
 def edge_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
-    from served import app_config
+    from tests.support.ray_serve import app_config
 
     with ray_serve.deploy("edge", app_config(tiny_checkpoints["llama"], "colocated",
-                                             max_queued_requests=LIMIT)) as url:
+                                             max_in_flight_requests=LIMIT)) as url:
         yield url
 
 

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from fault_processes import replica_pids
-from served import wait_for
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from tests.support.processes import replica_pids
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -37,7 +37,7 @@ def long_conv(i: int) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def faults_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
-    from served import app_config
+    from tests.support.ray_serve import app_config
 
     raw = app_config(tiny_checkpoints["llama"], "disaggregated")
     raw["handoff"]["timeout_s"] = 8
@@ -47,7 +47,7 @@ def faults_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Itera
 
 @pytest.fixture(scope="module")
 def greedy(tiny_checkpoints: dict[str, str]) -> dict[int, str]:
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=256))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=256))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     out = {}
     for i in range(12):
@@ -156,7 +156,7 @@ def test_a_prefill_replica_stopped_by_a_downscale_finishes_its_transfers(
     """Serve stops one of two prefill replicas while prompts are being prefilled and sent:
     it waits for their prefill calls, and the replica waits for their KV to arrive, so none
     is recomputed on decode."""
-    from served import app_config
+    from tests.support.ray_serve import app_config
 
     raw = app_config(tiny_checkpoints["llama"], "disaggregated")
     raw["roles"]["prefill"]["replicas"] = 2

@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING
 
 import httpx
 import pytest
-from fault_processes import replica_pids, rss_mb
-from served import wait_for
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from tests.support.processes import replica_pids, rss_mb
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,9 +43,9 @@ RSS_GROWTH_LIMIT_MB = 150.0
 
 @pytest.fixture(scope="module")
 def soak_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
-    from served import app_config
+    from tests.support.ray_serve import app_config
 
-    raw = app_config(tiny_checkpoints["llama"], "disaggregated", max_queued_requests=32)
+    raw = app_config(tiny_checkpoints["llama"], "disaggregated", max_in_flight_requests=32)
     raw["handoff"]["timeout_s"] = 8
     with ray_serve.deploy(APP, raw) as url:
         yield url
@@ -53,7 +53,7 @@ def soak_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterato
 
 @pytest.fixture(scope="module")
 def greedy(tiny_checkpoints: dict[str, str]) -> list[str]:
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=256))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=256))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     return [engine.tokenizer.decode(engine.generate([engine.tokenizer.encode(p)], params)[0])
             for p in PROMPTS]

@@ -4,17 +4,11 @@ loopback, spawned, reused by every test of a module), stopped cleanly at the end
 
 from __future__ import annotations
 
-import concurrent.futures
 from collections.abc import Iterator
 
 import pytest
-from handoff_agent import Agent
 
-
-def spawn_agents(*configs: dict | None) -> list[Agent]:
-    """Start several agents at once (each start imports torch and brings UCX up: seconds)."""
-    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
-        return list(pool.map(Agent.spawn, configs))
+from tests.handoff.handoff_agent import Agent, spawn_agents
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ plain dicts, replies plain dicts or bytes: nothing of the handoff is mocked.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import multiprocessing
@@ -18,7 +19,8 @@ from typing import Any
 
 TEST_CONFIG: dict[str, Any] = {
     "auth_token": "test-cluster-secret",
-    "default_timeout_s": 10.0,
+    "timeout_s": 10.0,
+    "net_devices": None,
     "heartbeat_interval_s": 0.2,
     "peer_timeout_s": 1.5,
     "handshake_timeout_s": 5.0,
@@ -88,11 +90,16 @@ class Agent:
         self._conn.close()
 
 
+def spawn_agents(*configs: dict[str, Any] | None) -> list[Agent]:
+    """Start several agents at once (each start imports torch and brings UCX up: seconds)."""
+    with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
+        return list(pool.map(Agent.spawn, configs))
+
+
 def agent_main(conn: multiprocessing.connection.Connection, config: dict[str, Any]) -> None:
     logging.basicConfig(level=logging.WARNING, format="[agent %(process)d] %(name)s: %(message)s")
-    from handoff_agent_roles import Roles  # imported in the child only (torch, ucxx)
-
     from pdserve.handoff import HandoffConfig, HandoffTransport
+    from tests.handoff.handoff_agent_roles import Roles  # in the child only (torch, ucxx)
 
     try:
         transport = HandoffTransport(HandoffConfig(**config)).start()

@@ -10,7 +10,6 @@ from dataclasses import asdict, fields
 from typing import Any
 
 import torch
-from handoff_faults import clear_faults, install_receiver_faults, install_sender_faults
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff import (
@@ -20,6 +19,11 @@ from pdserve.handoff import (
     HandoffTicket,
     HandoffTransport,
     OutboundTransfer,
+)
+from tests.handoff.handoff_faults import (
+    clear_faults,
+    install_receiver_faults,
+    install_sender_faults,
 )
 
 
@@ -109,7 +113,7 @@ class Roles:
     def wait(self, request_id: str, timeout: float) -> dict[str, Any]:
         assert self.receiver is not None
         try:
-            info = self.receiver.wait_ready(request_id, timeout)
+            info = self.receiver.ready_future(request_id).result(timeout)
         except HandoffError as exc:
             return {**outcome(exc), "ended_at": time.monotonic()}
         return {**outcome(info), "ended_at": time.monotonic()}

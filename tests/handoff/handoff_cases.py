@@ -1,4 +1,4 @@
-"""Building blocks for the two-process handoff tests: layouts, role setup, polling."""
+"""Building blocks for the two-process handoff tests: layouts, role setup, a killed sender."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from handoff_agent import Agent
-
 from pdserve.engine.kv_layout import KVLayout
+from tests.handoff.handoff_agent import Agent
+from tests.support.waiting import wait_for
 
 CACHE_BLOCKS = 48
 
@@ -52,14 +52,6 @@ def reserve(receiver: Agent, request_id: str, block_ids: list[int], layout: KVLa
                          num_tokens=max(1, tokens), timeout_s=timeout_s)
 
 
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
-
-
 def check_deferred_free(receiver: Agent, sender: Agent, request_id: str,
                         pushed: dict[str, Any], delay: float, dst: list[int],
                         src: list[int]) -> None:
@@ -91,7 +83,7 @@ def kill_sender_midstream(receiver: Agent, doomed: Agent, request_id: str, *, de
     ticket = reserve(receiver, request_id, dst, layout, timeout_s=deadline_s)
     handle = doomed.call("start", ticket=ticket, block_ids=src, layers_per_piece=1)
     doomed.call("send_layers", handles=[handle], layers=[0, 1, 2])  # half the layers, no fence
-    wait_until(lambda: in_flight(dst), 5, "the transfer under way")
+    wait_for(lambda: in_flight(dst), 5, "the transfer under way")
     doomed.kill()
     outcome = receiver.call("wait", request_id=request_id, timeout=deadline_s + 5)
     assert not outcome["ok"] and outcome["code"] in ("peer_gone", "timeout"), outcome

@@ -41,8 +41,8 @@ def test_device_gather_scatter_and_digest_agree_with_the_same_digest_on_host() -
 
 
 def test_two_processes_on_one_gpu_move_cuda_kv_exactly_without_host_copies() -> None:
-    from conftest import spawn_agents
-    from handoff_cases import CACHE_BLOCKS
+    from tests.handoff.handoff_agent import spawn_agents
+    from tests.handoff.handoff_cases import CACHE_BLOCKS
 
     receiver, sender = spawn_agents(None, None)
     try:

@@ -8,16 +8,17 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import spawn_agents
-from handoff_cases import (
+
+from tests.handoff.handoff_agent import spawn_agents
+from tests.handoff.handoff_cases import (
     CACHE_BLOCKS,
     kill_sender_midstream,
     pick_blocks,
     random_layout,
     reserve,
     setup_roles,
-    wait_until,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,8 +59,8 @@ def test_receiver_killed_midstream_completes_the_sender_with_an_error(pair) -> N
     dst, src = pick_blocks(rng, 8), pick_blocks(rng, 8)
     ticket = reserve(doomed, "abandoned", dst, layout, timeout_s=30)
     handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)["handles"][0]
-    wait_until(lambda: doomed.call("receiver_stats")["num_receiving"] == 1, 10, "transfer begun")
-    wait_until(lambda: sender.call("sender_stats")["staging"]["in_use_bytes"] > 0, 5, "sends")
+    wait_for(lambda: doomed.call("receiver_stats")["num_receiving"] == 1, 10, "transfer begun")
+    wait_for(lambda: sender.call("sender_stats")["staging"]["in_use_bytes"] > 0, 5, "sends")
     killed_at = sender.call("now")
     doomed.kill()
 
@@ -139,7 +140,7 @@ def test_header_claiming_more_bytes_than_reserved_is_refused_without_allocating(
     stats = receiver.call("receiver_stats")
     assert stats["staging"]["num_acquired"] == baseline["staging"]["num_acquired"]  # no buffer
     # All three announced pieces are consumed into a 1-byte sink, the lying one included.
-    wait_until(lambda: receiver.call("receiver_stats")["num_drained"]
+    wait_for(lambda: receiver.call("receiver_stats")["num_drained"]
                >= baseline["num_drained"] + 3, 5, "drained pieces")
 
 

@@ -8,12 +8,18 @@ from __future__ import annotations
 import random
 
 import pytest
-from handoff_cases import CACHE_BLOCKS, pick_blocks, random_layout, reserve, setup_roles
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.handoff.digest import HOST_DIGEST
 from pdserve.handoff.wire import Kind, piece_entry
+from tests.handoff.handoff_cases import (
+    CACHE_BLOCKS,
+    pick_blocks,
+    random_layout,
+    reserve,
+    setup_roles,
+)
 
 pytestmark = pytest.mark.timeout(300)
 LAYOUT = random_layout(random.Random("frame-fuzz"), "float16", num_layers=3, block_size=4,

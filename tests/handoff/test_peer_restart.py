@@ -10,9 +10,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import spawn_agents
-from handoff_agent import TEST_CONFIG, Agent
-from handoff_cases import pick_blocks, random_layout, reserve, setup_roles, wait_until
+
+from tests.handoff.handoff_agent import TEST_CONFIG, Agent, spawn_agents
+from tests.handoff.handoff_cases import pick_blocks, random_layout, reserve, setup_roles
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 PEER_TIMEOUT_S = TEST_CONFIG["peer_timeout_s"]  # 1.5 s: "fast" means well under it
@@ -31,7 +32,7 @@ def half_a_transfer(receiver: Agent, sender: Agent, request_id: str) -> tuple[in
     handle = sender.call("start", ticket=ticket, block_ids=pick_blocks(rng, 6),
                          layers_per_piece=1)
     sender.call("send_layers", handles=[handle], layers=[0, 1, 2])
-    wait_until(lambda: receiver.call("receiver_stats")["num_receiving"] == 1, 10, "begun")
+    wait_for(lambda: receiver.call("receiver_stats")["num_receiving"] == 1, 10, "begun")
     return handle, receiver.call("now")
 
 
@@ -59,7 +60,7 @@ def test_a_restarted_receiver_fails_the_stale_link_fast_and_gets_a_fresh_one(whe
         result = sender.call("result", handle=handle, timeout=15)
         assert not result["ok"] and result["code"] == "peer_gone", result
         assert result["released_at"] - killed_at < PEER_TIMEOUT_S * 0.8, result  # not a TTL
-        wait_until(lambda: sender.call("sender_stats")["num_links"] == 0, 5, "stale link gone")
+        wait_for(lambda: sender.call("sender_stats")["num_links"] == 0, 5, "stale link gone")
         (replacement,) = spawn_agents(configs[1])
         assert replacement.address != receiver.address
         round_trip(replacement, sender, "after-restart")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 import pytest
@@ -54,17 +55,24 @@ def test_ticket_dicts_are_checked_field_by_field() -> None:
             HandoffTicket.from_dict(bad)
 
 
+def _config(**changes: Any) -> HandoffConfig:
+    values: dict[str, Any] = {"auth_token": "s3cret", "timeout_s": 30.0, "net_devices": None,
+                              "receiver_staging_bytes": 64 << 20,
+                              "sender_staging_bytes": 64 << 20}
+    return HandoffConfig(**(values | changes))
+
+
 def test_config_checks_its_bounds_and_builds_ucx_options() -> None:
-    config = HandoffConfig("s3cret", ucx_tls="tcp,self", net_devices="eth0")
+    config = _config(ucx_tls="tcp,self", net_devices="eth0")
     assert config.ucx_options()["TLS"] == "tcp,self" and config.ucx_options()["NET_DEVICES"]
     assert config.ucx_options()["RNDV_THRESH"] == "8192"
-    assert HandoffConfig("s3cret").ucx_options()["TLS"] == "^cma"
+    assert _config().ucx_options()["TLS"] == "^cma"
     with pytest.raises(ValueError, match="auth_token"):
-        HandoffConfig("")
+        _config(auth_token="")
     with pytest.raises(ValueError, match="must exceed"):
-        HandoffConfig("s3cret", peer_timeout_s=0.1, heartbeat_interval_s=0.5)
+        _config(peer_timeout_s=0.1, heartbeat_interval_s=0.5)
     with pytest.raises(ValueError, match="at least one piece"):
-        HandoffConfig("s3cret", receiver_staging_bytes=1 << 20, max_piece_bytes=2 << 20)
+        _config(receiver_staging_bytes=1 << 20, max_piece_bytes=2 << 20)
 
 
 def test_errors_cross_the_wire_by_code() -> None:

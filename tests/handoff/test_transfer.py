@@ -8,15 +8,16 @@ import random
 import time
 
 import pytest
-from handoff_agent import Agent
-from handoff_cases import (
+
+from tests.handoff.handoff_agent import Agent
+from tests.handoff.handoff_cases import (
     check_deferred_free,
     pick_blocks,
     random_layout,
     reserve,
     setup_roles,
-    wait_until,
 )
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,7 +115,7 @@ def test_pieces_of_cancelled_or_unknown_transfers_are_drained_never_written(pair
                          first_token_id=3, layers_per_piece=1)
     results = [sender.call("result", handle=h, timeout=20) for h in pushed["handles"]]
     assert [r["code"] for r in results] == ["cancelled", "unknown_transfer"]
-    wait_until(lambda: receiver.call("receiver_stats")["num_drained"] >= 1, 10, "drained pieces")
+    wait_for(lambda: receiver.call("receiver_stats")["num_drained"] >= 1, 10, "drained pieces")
     assert receiver.call("read", block_ids=dst) == before
     outcome = receiver.call("wait", request_id="cancelled", timeout=5)
     assert outcome["code"] == "cancelled"

@@ -5,7 +5,7 @@ Qwen2 differs only by q/k/v biases (``attention_bias``); both load HF weight nam
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +16,6 @@ from pdserve.engine.attention import AttentionBackend, AttentionMetadata, TorchA
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.layers import GatedMLP, RMSNorm
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
-from pdserve.engine.models.weights import WeightLoader
 
 LayerHook = Callable[[int], None]
 
@@ -139,11 +138,3 @@ class CausalLM(nn.Module):
         """[N, hidden] -> float32 [N, vocab]; matmul in the model dtype, as transformers does."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden_states, weight).float()
-
-    def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], source: str = "weights"
-    ) -> None:
-        """Copy HF-named tensors into the (fused) parameters; every expected tensor must arrive."""
-        loader = WeightLoader(self, self.config)
-        loader.load_all(weights, source)
-        loader.check_complete(source)

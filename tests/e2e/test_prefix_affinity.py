@@ -10,28 +10,22 @@ import httpx
 import pytest
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def two_prefill_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
-    from ray import serve
-    from served import app_config
-
-    from pdserve.cluster.app import build_from_config
-    from pdserve.cluster.config import parse_config
+    from tests.support.ray_serve import app_config
 
     raw = app_config(tiny_checkpoints["llama"], "disaggregated")
     raw["roles"]["prefill"]["replicas"] = raw["roles"]["decode"]["replicas"] = 2
     raw["roles"]["prefill"]["resources"] = {"num_cpus": 0.5}
     raw["roles"]["decode"]["resources"] = {"num_cpus": 0.5}
     raw["router"]["decode_policy"] = "prefix_affinity"
-    serve.run(build_from_config(parse_config(raw, source="affinity")), name="affinity",
-              route_prefix="/affinity")
-    yield served_apps.url("affinity")
-    serve.delete("affinity")
+    with served_apps.deploy("affinity", raw) as url:
+        yield url
 
 
 def handoff_bytes(app_url: str) -> float:

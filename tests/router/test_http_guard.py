@@ -47,6 +47,12 @@ def _app(settings: HttpGuardSettings) -> FastAPI:
     return app
 
 
+def _settings(**changes: Any) -> HttpGuardSettings:
+    values: dict[str, Any] = {"max_body_bytes": 4 << 20, "api_keys": (),
+                              "metrics_require_api_key": True}
+    return HttpGuardSettings(**(values | changes))
+
+
 async def _get(app: FastAPI, path: str, headers: dict[str, str] | None = None,
                root_path: str = "") -> httpx.Response:
     transport = httpx.ASGITransport(app=app, root_path=root_path)
@@ -56,7 +62,7 @@ async def _get(app: FastAPI, path: str, headers: dict[str, str] | None = None,
 
 @pytest.mark.parametrize("metrics_need_key", [True, False])
 def test_metrics_key_is_configurable_and_health_open(metrics_need_key: bool) -> None:
-    app = _app(HttpGuardSettings(api_keys=(KEY,), metrics_require_api_key=metrics_need_key))
+    app = _app(_settings(api_keys=(KEY,), metrics_require_api_key=metrics_need_key))
     assert asyncio.run(_get(app, "/metrics")).status_code == (401 if metrics_need_key else 200)
     assert asyncio.run(_get(app, "/health")).status_code == 200
     good = {"Authorization": f"Bearer {KEY}"}
@@ -64,7 +70,7 @@ def test_metrics_key_is_configurable_and_health_open(metrics_need_key: bool) -> 
 
 
 def test_paths_are_read_below_the_mount_point() -> None:
-    app = _app(HttpGuardSettings(api_keys=(KEY,)))
+    app = _app(_settings(api_keys=(KEY,)))
     assert asyncio.run(_get(app, "/health", root_path="/myapp")).status_code == 200
     assert asyncio.run(_get(app, "/metrics", root_path="/myapp")).status_code == 401
 
@@ -82,7 +88,7 @@ def test_keys_match_exactly() -> None:
 
 def test_streamed_responses_pass_through_as_sent() -> None:
     async def scenario() -> list[bytes]:
-        transport = httpx.ASGITransport(app=_app(HttpGuardSettings()))
+        transport = httpx.ASGITransport(app=_app(_settings()))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             async with client.stream("GET", "/stream") as r:
                 return [chunk async for chunk in r.aiter_raw()]
@@ -115,20 +121,20 @@ def _drive(app: Any, headers: list[tuple[bytes, bytes]],
 
 
 def test_a_body_that_never_ends_is_read_only_to_the_limit() -> None:
-    app = _app(HttpGuardSettings(max_body_bytes=10 * 1024))
+    app = _app(_settings(max_body_bytes=10 * 1024))
     status, body, pulled = _drive(app, [], body_chunks=None)
     assert status == 413 and body["error"]["code"] == "request_too_large"
     assert pulled == 11  # 11 KiB read: over the limit, and not one chunk more
 
 
 def test_a_declared_length_over_the_limit_reads_nothing() -> None:
-    app = _app(HttpGuardSettings(max_body_bytes=10 * 1024))
+    app = _app(_settings(max_body_bytes=10 * 1024))
     status, body, pulled = _drive(app, [(b"content-length", b"20480")], body_chunks=20)
     assert status == 413 and pulled == 0
     assert "20480" in body["error"]["message"]
 
 
 def test_bodies_up_to_the_limit_are_read_whole() -> None:
-    app = _app(HttpGuardSettings(max_body_bytes=10 * 1024))
+    app = _app(_settings(max_body_bytes=10 * 1024))
     status, body, _ = _drive(app, [(b"content-length", b"10240")], body_chunks=10)
     assert (status, body) == (200, {"num_bytes": 10 * 1024})

@@ -16,8 +16,10 @@ from pdserve.router.admission import AdmissionGate
 from pdserve.router.choices import choice_params, gather_or_cancel, merged
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import OverloadedError
+from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.ingress import Ingress, IngressSettings
 from pdserve.router.pipeline import PipelineSettings
+from pdserve.router.prefill_load import LocalPrefillPolicy
 from pdserve.router.timings import RequestTrace
 
 
@@ -136,8 +138,10 @@ class _RecordingPipeline:
 
 
 def _ingress(checkpoint: str, pipeline: _RecordingPipeline) -> Ingress:
-    settings = IngressSettings(checkpoint, "tiny", 256, 8, 30.0, PipelineSettings("colocated", 16),
-                               plane_token="a-cluster-token-0123456789")
+    paths = PipelineSettings("colocated", 16, LocalPrefillPolicy(0, 0))
+    http = HttpGuardSettings(max_body_bytes=4 << 20, api_keys=(), metrics_require_api_key=True)
+    settings = IngressSettings(checkpoint, "tiny", 256, 8, 30.0, paths,
+                               plane_token="a-cluster-token-0123456789", http=http)
     ingress = Ingress(decode=None, prefill=None, settings=settings)
     ingress.pipeline = pipeline  # type: ignore[assignment]
     return ingress

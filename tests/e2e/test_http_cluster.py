@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING
 import httpx
 import openai
 import pytest
-from served import wait_for
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
+from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -47,7 +47,7 @@ def conversations() -> list[list[dict[str, str]]]:
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoints: dict[str, str]) -> dict[str, tuple[str, int, int]]:
     """Greedy text, prompt and output token counts from one in-process engine."""
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=512))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=512))
     out = {}
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     for conv in conversations():
@@ -104,7 +104,7 @@ TOP_LOGPROBS = 3
 @pytest.fixture(scope="module")
 def reference_logprobs(tiny_checkpoints: dict[str, str]) -> dict[str, list[TokenLogprobs]]:
     """Greedy logprobs (with 3 alternatives) of a short and a long conversation, in-process."""
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=512))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=512))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
                             logprobs=TOP_LOGPROBS)
     out: dict[str, list[TokenLogprobs]] = {}
@@ -175,7 +175,7 @@ def test_penalties_and_logit_bias_apply_on_both_workers(served_apps: ServedApps,
     """A negative frequency penalty (the tiny model's greedy text changes with it) gives the
     in-process engine's text; a +100 bias forces its token from the first one on, which the
     prefill worker samples on the disaggregated path."""
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=128))
     c = client(served_apps, app)
     forced = engine.tokenizer.encode(" ok")[0]
     for conv in conversations()[:2]:
@@ -200,7 +200,7 @@ def test_n_choices_each_reproduce_their_seed_streamed_or_not(served_apps: Served
     """n=3 sampled choices of a long (disaggregated) conversation no earlier request had:
     choice i is the engine's generation with seed 7+i, the later choices found the first
     one's prompt KV cached, and the stream interleaves the same three texts by index."""
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=128))
     # Short enough (~180 tokens) that three prefills started together share the prefill
     # worker's steps (512 tokens each): none could reuse another's KV (measured: 0 cached).
     conv = [{"role": "system", "content": f"Request {uuid.uuid4()}. {SHARED_SYSTEM[:200]}"},
@@ -243,7 +243,7 @@ def decode_handoff_counts(app: str) -> tuple[int, int]:
 
 
 def test_httpx_completions_with_token_ids(served_apps: ServedApps, tiny_checkpoints) -> None:
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=128))
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog " * 4)
     [tokens] = engine.generate([prompt], SamplingParams(max_tokens=9, temperature=0.0,
                                                           ignore_eos=True))
@@ -362,7 +362,7 @@ def test_second_turn_sends_only_the_kv_decode_does_not_hold(served_apps: ServedA
                                                             tiny_checkpoints) -> None:
     """Turn 2 repeats turn 1's conversation: the decode worker still caches its prompt, so
     the handoff carries only the blocks after it, and the answer is still the engine's."""
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=128))
     url, c = served_apps.url("disagg"), client(served_apps, "disagg")
     conv = [{"role": "system", "content": f"Session {uuid.uuid4()}. {SHARED_SYSTEM}"},
             {"role": "user", "content": "First question, please."}]

@@ -112,10 +112,10 @@ def test_instances_do_not_share_a_registry() -> None:
 
 def test_role_gauges_follow_the_latest_loads_and_forget_gone_replicas() -> None:
     metrics = PdserveMetrics()
-    loads = [ReplicaLoad("decode", "d1", num_blocks=200, num_free_blocks=150, num_running=3,
-                         num_waiting=1),
-             ReplicaLoad("prefill", "p1", num_blocks=100, num_free_blocks=100, num_running=0,
-                         num_waiting=2)]
+    loads = [ReplicaLoad(role="decode", replica_id="d1", num_blocks=200, num_free_blocks=150,
+                         num_running=3, num_waiting=1),
+             ReplicaLoad(role="prefill", replica_id="p1", num_blocks=100, num_free_blocks=100,
+                         num_running=0, num_waiting=2)]
     found = samples_of(metrics.render(loads, num_in_flight=5))
     d1, p1 = (("replica", "d1"), ("role", "decode")), (("replica", "p1"), ("role", "prefill"))
     assert found[("pdserve:kv_cache_usage_perc", d1)] == pytest.approx(0.25)

@@ -1,16 +1,29 @@
-"""Processes a test started and the sockets they listen on, read from /proc (Linux).
+"""Processes a test started and the sockets they listen on, read from /proc (Linux), and
+free ports from the OS.
 
 Scoped by parentage or session, so a test never touches another agent's processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support.waiting import wait_for
+
 _TCP_LISTEN = "0A"
+
+
+def free_port() -> int:
+    """A loopback port the OS says is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -49,11 +62,27 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def in_session(session_id: int) -> list[int]:
-    """Every living process of session ``session_id`` (a process started with a new session
-    and everything it spawned, daemons included)."""
-    return [pid for pid in _all_pids()
-            if (fields := _stat_fields(pid)) is not None and int(fields[3]) == session_id]
+def in_sessions(session_ids: Iterable[int]) -> list[int]:
+    """Every living process of these sessions (a process started with a new session and
+    everything it spawned, daemons included), this one left out."""
+    wanted = set(session_ids)
+    return [pid for pid in _all_pids() if pid != os.getpid()
+            and (fields := _stat_fields(pid)) is not None and int(fields[3]) in wanted]
+
+
+def stop_sessions(session_ids: Iterable[int], grace_s: float = 3.0) -> None:
+    """SIGTERM every process of the sessions, then SIGKILL what is left after ``grace_s``."""
+    sessions = set(session_ids)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for pid in in_sessions(sessions):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        try:
+            wait_for(lambda: not in_sessions(sessions), wait_s, "the sessions' processes to exit",
+                     interval_s=0.2)
+            return
+        except AssertionError:
+            continue
 
 
 def title(pid: int) -> str:
@@ -81,7 +110,7 @@ def _sockets(pid: int, protocol: str) -> dict[int, tuple[str, int, str]]:
     return rows
 
 
-def listening_sockets(pids: list[int]) -> list[ListeningSocket]:
+def listening_sockets(pids: Iterable[int]) -> list[ListeningSocket]:
     """TCP sockets in LISTEN and bound UDP sockets held open by ``pids``."""
     found = []
     for pid in pids:

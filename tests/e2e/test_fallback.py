@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from served import ServedApps
+    from tests.support.ray_serve import ServedApps
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -27,26 +27,23 @@ PROMPTS = ["Tell me about the weather in spring and the birds that return. " * 2
 
 @pytest.fixture(scope="module")
 def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
-    from ray import serve
-    from served import app_config
-
     from pdserve.cluster.app import build_application, handoff_config
     from pdserve.cluster.config import parse_config
+    from tests.support.ray_serve import app_config
 
     cfg = parse_config(app_config(tiny_checkpoints["llama"], "disaggregated"), source="fallback")
     token = cfg.resolve_auth_token()
-    good = dataclasses.replace(handoff_config(cfg, token), default_timeout_s=3.0)
+    good = dataclasses.replace(handoff_config(cfg, token), timeout_s=3.0)
     wrong = dataclasses.replace(good, auth_token="a-different-cluster-token-987654")
     app = build_application(cfg, tiny_checkpoints["llama"], good, wrong, token)
-    serve.run(app, name="fallback", route_prefix="/fallback")
-    yield served_apps.url("fallback")
-    serve.delete("fallback")
+    yield served_apps.run_app("fallback", app)
+    served_apps.launcher.remove("fallback")
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_failed_handoff_recomputes_with_parity(fallback_app: str, served_apps: ServedApps,
                                                tiny_checkpoints, temperature: float) -> None:
-    engine = LLMEngine(EngineConfig(model_path=tiny_checkpoints["llama"], num_kv_blocks=128))
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=128))
     before = httpx.get(f"{fallback_app}/metrics", timeout=30).text
     for prompt in PROMPTS:
         conv = [{"role": "user", "content": prompt}]

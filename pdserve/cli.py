@@ -27,7 +27,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default=None,
+                   help="weight and KV cache dtype (default: model.dtype's default)")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -79,12 +80,11 @@ def run_make_model(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from pdserve.cluster.config import engine_config
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.engine_config import EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(EngineConfig(model_path=str(args.model), dtype=args.dtype,
-                                    num_kv_blocks=256))
+    engine = LLMEngine(engine_config(str(args.model), dtype=args.dtype, num_kv_blocks=256))
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     ids = engine.tokenizer.encode(prompt)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
