@@ -66,7 +66,7 @@ def pdserve_config(path: Path, mode: str, port: int) -> dict[str, Any]:
         engine["cpu_affinity"] = {"decode": [str(DECODE_CORE)], "prefill": [str(PREFILL_CORE)]}
     return {"model": {"path": str(path), "dtype": DTYPE}, "served_model_name": MODEL,
             "engine": engine, "mode": mode, "roles": roles,
-            "router": {"max_queued_requests": 256, "request_timeout_s": 600},
+            "router": {"max_in_flight_requests": 256, "request_timeout_s": 600},
             "handoff": {"timeout_s": 60}, "http": {"host": "127.0.0.1", "port": port}}
 
 
