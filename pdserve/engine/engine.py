@@ -102,7 +102,8 @@ class LLMEngine:
         self.config = config
         device = config.resolve_device()
         if loaded is None:
-            loaded = LoadedModel.load(config.model_path, config.torch_dtype, device, progress=True)
+            loaded = LoadedModel.load(config.model_path, config.torch_dtype, device, progress=True,
+                                     block_size=config.block_size)
         self.loaded = loaded
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer

@@ -1,7 +1,8 @@
 """Logits of pdserve's paged CausalLM equal transformers' full forward on the same checkpoints.
 
 Covers whole prompts in one step, chunked prompts then decode steps through shuffled blocks, the
-layer hook's timing, and the GPU flash-attn backend against the torch backend (GPU only).
+layer hook's timing, and every CUDA backend (flash-attn, Triton, torch) against the torch
+backend and transformers (GPU only).
 """
 
 from __future__ import annotations
@@ -251,23 +252,48 @@ def _flash_available() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _flash_available(), reason="needs a CUDA GPU with flash-attn installed")
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_flash_backend_matches_torch_backend(
-    tiny_checkpoints: dict[str, str], block_size: int
-) -> None:
-    from pdserve.engine.attention.flash_backend import FlashAttentionBackend
+def _cuda_backends() -> list[str]:
+    """The CUDA backends this machine can run besides torch."""
+    if not torch.cuda.is_available():
+        return []
+    names = []
+    if _flash_available() and torch.cuda.get_device_capability() >= (8, 0):
+        names.append("flash-attn")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return names
+    return [*names, "triton"]
 
-    model, config = load_model(tiny_checkpoints["llama"], torch.bfloat16, "cuda")
-    assert isinstance(model.attention_backend, FlashAttentionBackend)
+
+def _make_backend(name: str):
+    if name == "flash-attn":
+        from pdserve.engine.attention.flash_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_backends(), reason="needs a CUDA GPU with flash-attn or Triton")
+@pytest.mark.parametrize(("name", "block_size"), [("flash-attn", 256), ("triton", 16),
+                                                  ("triton", 256)])
+def test_cuda_backend_matches_torch_backend(
+    tiny_checkpoints: dict[str, str], name: str, block_size: int
+) -> None:
+    if name not in _cuda_backends():
+        pytest.skip(f"{name} is not usable on this GPU")
+    model, config = load_model(tiny_checkpoints["llama"], torch.bfloat16, "cuda",
+                               block_size=block_size)
     generator = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(0, config.vocab_size, (n,), generator=generator).cuda() for n in LENGTHS
     ]
     tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=2)
     results = []
-    for backend in (FlashAttentionBackend(), TorchAttentionBackend()):
+    for backend in (_make_backend(name), TorchAttentionBackend()):
         model.attention_backend = backend
         cache = torch.zeros(
             config.num_layers,
@@ -286,23 +312,25 @@ def test_flash_backend_matches_torch_backend(
     assert (results[0].argmax(-1) == results[1].argmax(-1)).float().mean().item() > 0.98
 
 
-def test_backend_selection_without_gpu_or_flash_attn() -> None:
+def test_backend_selection_on_cpu_is_torch() -> None:
     from pdserve.engine.attention import select_attention_backend
 
-    assert isinstance(select_attention_backend("cpu"), TorchAttentionBackend)
-    # flash-attn never runs float32, so CUDA + float32 picks torch without touching a GPU.
-    assert isinstance(select_attention_backend("cuda", torch.float32), TorchAttentionBackend)
-    if not _flash_available():
-        assert isinstance(select_attention_backend("cuda", torch.bfloat16), TorchAttentionBackend)
+    choice = select_attention_backend("cpu", torch.float32, 16)
+    assert isinstance(choice.backend, TorchAttentionBackend)
+    assert "cpu" in choice.reason
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_torch_backend_on_cuda_matches_transformers(tiny_checkpoints: dict[str, str]) -> None:
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_cuda_backends_in_float32_match_transformers(tiny_checkpoints: dict[str, str],
+                                                     name: str) -> None:
     from transformers import AutoModelForCausalLM
 
+    if name == "triton" and "triton" not in _cuda_backends():
+        pytest.skip("Triton is not installed")
     model, config = load_model(tiny_checkpoints["qwen2"], torch.float32, "cuda")
-    assert isinstance(model.attention_backend, TorchAttentionBackend)
+    model.attention_backend = TorchAttentionBackend() if name == "torch" else _make_backend(name)
     reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen2"], dtype=torch.float32)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in LENGTHS]
@@ -314,3 +342,21 @@ def test_torch_backend_on_cuda_matches_transformers(tiny_checkpoints: dict[str, 
     logits, _ = run_schedule(model, cache, [p.cuda() for p in prompts], tables, block_size)
     for got, want in zip(logits, expected, strict=True):
         assert (got.cpu() - want).abs().max().item() < 1e-3  # TF32 or kernel order may differ
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_backend_on_cuda_never_needs_the_math_kernel(tiny_checkpoints: dict[str, str]) -> None:
+    """Prompt chunks after a cached prefix (masked) with GQA: SDPA must find a fused kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, config = load_model(tiny_checkpoints["qwen2"], torch.bfloat16, "cuda")
+    model.attention_backend = TorchAttentionBackend()
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).cuda()
+               for n in LENGTHS]
+    tables, num_blocks = shuffled_block_tables(LENGTHS, 16, seed=3)
+    cache = garbage_cache(model, num_blocks, 16).to(torch.bfloat16).cuda()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        logits, _ = run_schedule(model, cache, prompts, tables, 16)  # raises if only math fits
+    assert all(torch.isfinite(x).all() for x in logits)
