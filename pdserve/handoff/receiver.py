@@ -67,7 +67,8 @@ class HandoffReceiver(KVReceiver):
     implements `KVReceiver` (the contract: who owns the blocks when)."""
 
     def __init__(self, transport: HandoffTransport, cache: torch.Tensor,
-                 layout: KVLayout) -> None:
+                 layout: KVLayout, *, staging_bytes: int | None = None) -> None:
+        """``staging_bytes``: the staging bound (default: the config's receiver_staging_bytes)."""
         expected = layout.cache_shape(cache.shape[2]) if cache.dim() == 6 else None
         if tuple(cache.shape) != expected or cache.dtype != layout.torch_dtype:
             raise ValueError(f"cache {tuple(cache.shape)}/{cache.dtype} does not match layout "
@@ -76,7 +77,8 @@ class HandoffReceiver(KVReceiver):
             raise ValueError("the KV cache tensor must be contiguous")
         self._transport, self._cache, self._layout = transport, cache, layout
         self._config = transport.config
-        self._pool = StagingPool(self._config.receiver_staging_bytes, cache.device)
+        self._staging_bytes = staging_bytes or self._config.receiver_staging_bytes
+        self._pool = StagingPool(self._staging_bytes, cache.device)
         self._landing = PieceLanding(transport, cache, self._pool, self._fail,
                                      self._maybe_ready)
         self._sessions = SessionTable(transport, self._session_failed)
@@ -100,7 +102,7 @@ class HandoffReceiver(KVReceiver):
         deadline = now + self._config.default_timeout_s if deadline is None else deadline
         if deadline <= now:
             raise ValueError(f"deadline {deadline} is already past")
-        max_piece = min(self._config.max_piece_bytes, self._config.receiver_staging_bytes)
+        max_piece = min(self._config.max_piece_bytes, self._staging_bytes)
         with self._lock:
             current = self._by_request.get(request_id)
             if current is not None and not current.terminal:
@@ -110,7 +112,7 @@ class HandoffReceiver(KVReceiver):
                 raise ValueError(f"blocks {sorted(clash)[:8]} are reserved by another transfer")
             record = InboundTransfer(
                 request_id, self._new_transfer_id(), layout,
-                torch.tensor(ids, dtype=torch.int64, device=self._cache.device), ids, num_tokens,
+                torch.tensor(ids, dtype=torch.int64), ids, num_tokens,
                 time.monotonic() + (deadline - now), max_piece, self._transport.instance_id,
                 digest_kind(self._cache.device))
             ticket = HandoffTicket(
