@@ -30,11 +30,11 @@ logger = logging.getLogger(__name__)
 
 def handoff_config(cfg: PdserveConfig) -> HandoffConfig:
     token = cfg.resolve_auth_token() or secrets.token_hex(16)
-    staging = cfg.handoff.staging_buffer_mb * MIB
+    staging = cfg.staging_bytes()  # None: each worker sizes it from its model
     return HandoffConfig(
         auth_token=token, default_timeout_s=cfg.handoff.timeout_s,
         sender_staging_bytes=staging, receiver_staging_bytes=staging,
-        max_piece_bytes=min(16 * MIB, staging),
+        max_piece_bytes=min(16 * MIB, staging or 16 * MIB),
         net_devices=cfg.handoff.net_devices,
     )
 

@@ -127,13 +127,20 @@ class PdserveConfig(Section):
         kv_size: dict[str, Any] = {"num_kv_blocks": engine.num_kv_blocks}
         if engine.kv_cache_memory_gb is not None:
             kv_size["kv_cache_memory_gb"] = engine.kv_cache_memory_gb
+        staging = 0 if self.mode == "colocated" else self.staging_bytes()
         return EngineConfig(
             model_path=model_path, dtype=self.model.dtype, device=engine.device,
+            gpu_memory_utilization=engine.gpu_memory_utilization, handoff_staging_bytes=staging,
             block_size=engine.block_size, max_num_batched_tokens=engine.max_num_batched_tokens,
             max_num_seqs=engine.max_num_seqs, max_model_len=self.model.max_model_len,
             enable_prefix_caching=engine.enable_prefix_caching,
             long_prefill_token_threshold=engine.long_prefill_token_threshold,
             num_threads=engine.num_threads, cpu_affinity=self._cpu_affinity(), **kv_size)
+
+    def staging_bytes(self) -> int | None:
+        """handoff.staging_buffer_mb in bytes; None: the worker sizes it from its model."""
+        mb = self.handoff.staging_buffer_mb
+        return None if mb is None else int(mb * (1 << 20))
 
     def _cpu_affinity(self) -> CpuAffinity | None:
         """The core sets of engine.cpu_affinity, with a claim directory of this application

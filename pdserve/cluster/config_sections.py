@@ -77,6 +77,12 @@ class EngineSection(Section):
         "kv_cache_memory_gb; neither: the engine's default memory budget.")
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, description="KV cache size per worker in GiB, converted to blocks.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="On CUDA, when neither num_kv_blocks nor "
+        "kv_cache_memory_gb is set: the fraction of the GPU's memory the worker may use. After "
+        "the weights load, one step at max_num_batched_tokens is profiled and the KV cache gets "
+        "what is left of that fraction after memory in use, the step's peak activations and the "
+        "handoff staging (as vLLM's gpu_memory_utilization).")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one engine step.")
     long_prefill_token_threshold: int = Field(
@@ -132,11 +138,22 @@ class EngineSection(Section):
 
 class Resources(Section):
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs Ray reserves per replica.")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; whole numbers in "
-                            "disaggregated mode so prefill and decode never share a GPU.")
+    num_gpus: float = Field(0.0, ge=0, le=1, description="GPUs per replica, at most 1 (a "
+                            "replica's engine runs on one GPU: tensor parallelism is not "
+                            "implemented); whole numbers in disaggregated mode so prefill and "
+                            "decode never share a GPU.")
     custom: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources per replica, e.g. {prefill_node: "
         "1} to pin the role to nodes started with --resources '{\"prefill_node\": N}'.")
+
+    @field_validator("num_gpus", mode="before")
+    @classmethod
+    def _one_gpu_at_most(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and value > 1:
+            raise ValueError(f"{value} GPUs per replica: a replica runs its engine on one GPU "
+                             "(tensor parallelism is not implemented), so the others would sit "
+                             "idle; use num_gpus: 1 and more replicas")
+        return value
 
     def to_replica_resources(self) -> ReplicaResources:
         return ReplicaResources(self.num_cpus, self.num_gpus, tuple(sorted(self.custom.items())))
@@ -280,9 +297,12 @@ class HandoffSection(Section):
         "'mlx5_0:1' or 'eth0'); default: UCX picks, and its TCP transport listens on every "
         "interface's address. 'lo' keeps it on loopback (one machine; shared memory needs no "
         "device). Peers connect by the worker address in each ticket: no listen address to set.")
-    staging_buffer_mb: int = Field(
-        64, ge=1, description="Per-worker staging for KV pieces in flight (sender and "
-        "receiver each).")
+    staging_buffer_mb: float | None = Field(
+        None, gt=0, description="Per-worker staging for KV pieces in flight (sender and "
+        "receiver each), in MiB. It bounds bytes in flight, not a prompt: pieces stream "
+        "through it, the sender waiting for room. Default: one engine step's KV (the model's KV "
+        "bytes per token x engine.max_num_batched_tokens, at least 1 MiB). On CUDA it comes "
+        "out of the KV cache's memory.")
 
     @model_validator(mode="after")
     def _one_token_source(self) -> HandoffSection:

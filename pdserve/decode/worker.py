@@ -62,9 +62,9 @@ class DecodeWorker:
         if handoff_config is not None:
             self.transport = HandoffTransport(handoff_config).start()
             self.receiver = HandoffReceiver(self.transport, self.engine.kv_cache,
-                                            self.engine.layout)
-        logger.info("decode worker ready: %d KV blocks of %d tokens",
-                    self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
+                                            self.engine.layout,
+                                            staging_bytes=self.engine.staging_bytes or None)
+        logger.info("decode worker ready: %s", self.engine.describe())
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
         if request.local_prefill or self.receiver is None:

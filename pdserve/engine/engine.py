@@ -18,7 +18,9 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_cache import allocate_kv_cache
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_layout import NAME_BY_DTYPE, KVLayout
+from pdserve.engine.kv_sizing import default_staging_bytes
 from pdserve.engine.loaded_model import LoadedModel
+from pdserve.engine.memory_profile import describe_engine, plan_kv_cache
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.sampler import TokenLogprobs, make_generator
@@ -118,9 +120,12 @@ class LLMEngine:
             num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim,
         )
-        num_blocks = config.num_kv_blocks or max(
-            1, int(config.kv_cache_memory_gb * 2**30) // (self.layout.block_bytes * mc.num_layers)
-        )
+        self.staging_bytes = config.handoff_staging_bytes
+        if self.staging_bytes is None:
+            self.staging_bytes = default_staging_bytes(self.layout, config.max_num_batched_tokens)
+        self.kv_budget = plan_kv_cache(config, self.layout, loaded.model, self.device,
+                                       self.max_model_len, self.staging_bytes)
+        num_blocks = self.kv_budget.num_blocks
         self.kv_cache = allocate_kv_cache(self.layout, num_blocks, self.device)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, loaded.fingerprint, config.enable_prefix_caching
@@ -137,6 +142,11 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
+
+    def describe(self) -> str:
+        """The start-up line every worker logs: device, attention and why, KV, staging."""
+        return describe_engine(self.device, self.loaded.model, self.layout, self.kv_budget,
+                               self.staging_bytes)
 
     # ---- requests in -------------------------------------------------------------------
     def add_request(

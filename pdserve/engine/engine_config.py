@@ -20,9 +20,14 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "auto"  # "auto": CUDA when available, else CPU
     block_size: int = 16
-    # Blocks in the cache; None sizes it from kv_cache_memory_gb.
+    # Blocks in the cache; None sizes it from kv_cache_memory_gb, else (CUDA) from what the
+    # device has free within gpu_memory_utilization, else (CPU) kv_sizing.CPU_DEFAULT_KV_GB.
     num_kv_blocks: int | None = None
-    kv_cache_memory_gb: float = 0.5
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9
+    # Device memory the worker's KV handoff stages pieces in, kept out of the KV cache: 0 for
+    # a worker without a handoff; None: one step's KV (kv_sizing.default_staging_bytes).
+    handoff_staging_bytes: int | None = 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     # None: the model's max_position_embeddings.
@@ -50,8 +55,13 @@ class EngineConfig:
             raise InvalidRequestError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}")
         if self.num_threads is not None and self.num_threads <= 0:
             raise InvalidRequestError(f"num_threads must be positive, got {self.num_threads}")
-        if self.num_kv_blocks is None and self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise InvalidRequestError("kv_cache_memory_gb must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(
+                f"gpu_memory_utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        if self.handoff_staging_bytes is not None and self.handoff_staging_bytes < 0:
+            raise InvalidRequestError("handoff_staging_bytes must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -26,8 +26,9 @@ class HandoffConfig:
     peer_timeout_s: float = 5.0
     handshake_timeout_s: float = 5.0
     send_grace_s: float = 2.0
-    receiver_staging_bytes: int = 512 * MIB
-    sender_staging_bytes: int = 512 * MIB
+    # None: the worker passes its own (one engine step's KV) to the sender and receiver.
+    receiver_staging_bytes: int | None = 512 * MIB
+    sender_staging_bytes: int | None = 512 * MIB
     max_piece_bytes: int = 16 * MIB
     # Pieces group layers up to this size: each piece costs a header, a message and a few
     # thread hops (~0.1-0.3 ms on 2 busy cores); smaller ones let the gather of the next, the
@@ -54,7 +55,7 @@ class HandoffConfig:
                 f"HandoffConfig.peer_timeout_s ({self.peer_timeout_s}) must exceed "
                 f"heartbeat_interval_s ({self.heartbeat_interval_s})")
         for name in ("receiver_staging_bytes", "sender_staging_bytes"):
-            if getattr(self, name) < self.max_piece_bytes:
+            if getattr(self, name) is not None and getattr(self, name) < self.max_piece_bytes:
                 raise ValueError(
                     f"HandoffConfig.{name} ({getattr(self, name)}) must hold at least one piece "
                     f"(max_piece_bytes={self.max_piece_bytes})")

@@ -18,6 +18,7 @@ from pdserve.handoff.device_stream import HandoffStream
 from pdserve.handoff.digest import combine_digests, digest, digest_kind
 from pdserve.handoff.errors import (
     HandoffCancelledError,
+    HandoffCapacityError,
     HandoffError,
     HandoffPeerGoneError,
     HandoffTimeoutError,
@@ -235,8 +236,13 @@ class HandoffSender(KVSender):
                                piece: DeferredPiece) -> ReadyPiece | None:
         """Wait (first come, first served) for staging, then gather the piece off the loop.
         None when the transfer failed meanwhile."""
-        buffer = await self._admission.acquire(piece.spec.nbytes(transfer.layout),
-                                               lambda: transfer.error is not None)
+        nbytes = piece.spec.nbytes(transfer.layout)
+        if not self._pool.fits_ever(nbytes):
+            transfer.fail(HandoffCapacityError(
+                f"piece of {nbytes} bytes exceeds the sender's staging "
+                f"({self._pool.capacity_bytes} bytes)"))
+            return None
+        buffer = await self._admission.acquire(nbytes, lambda: transfer.error is not None)
         if buffer is None:
             return None
         job = asyncio.ensure_future(self._transport.run_payload(transfer.gather_piece, piece,

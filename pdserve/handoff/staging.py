@@ -42,7 +42,10 @@ class StagingPool:
     same buffer to two holders and never frees one that is in use.
     """
 
-    def __init__(self, capacity_bytes: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, capacity_bytes: int | None, device: torch.device | str = "cpu") -> None:
+        if capacity_bytes is None:
+            raise ValueError("no staging size: pass the worker's staging_bytes or set it in "
+                             "HandoffConfig")
         if capacity_bytes <= 0:
             raise ValueError(f"staging capacity must be positive, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes

@@ -50,7 +50,8 @@ class PrefillWorker:
         except BaseException:
             self.transport.stop()
             raise
-        self.sender = HandoffSender(self.transport, device=self.engine.device)
+        self.sender = HandoffSender(self.transport, device=self.engine.device,
+                                    staging_bytes=self.engine.staging_bytes or None)
         # Both touched only on the engine thread (commands and the layer hook run there).
         # Ticket and first block to send (after what the decode worker already holds).
         self._tickets: dict[str, tuple[HandoffTicket, int]] = {}
@@ -59,8 +60,7 @@ class PrefillWorker:
         self.num_transfers_failed = 0
         self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
         self.drain_timeout_s = handoff_config.default_timeout_s
-        logger.info("prefill worker ready: %d KV blocks of %d tokens",
-                    self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
+        logger.info("prefill worker ready: %s", self.engine.describe())
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         rid = request.request_id
