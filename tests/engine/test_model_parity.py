@@ -346,7 +346,8 @@ def test_cuda_backends_in_float32_match_transformers(tiny_checkpoints: dict[str,
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_torch_backend_on_cuda_never_needs_the_math_kernel(tiny_checkpoints: dict[str, str]) -> None:
+def test_torch_backend_on_cuda_never_needs_the_math_kernel(
+        tiny_checkpoints: dict[str, str]) -> None:
     """Prompt chunks after a cached prefix (masked) with GQA: SDPA must find a fused kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -63,8 +63,8 @@ def choose_backend(
 def _why_not_flash(dtype: torch.dtype, block_size: int, capability: tuple[int, int] | None,
                    flash_problem: str | None) -> str | None:
     if capability is None or capability < FLASH_MIN_CAPABILITY:
-        return (f"flash-attn 2 needs compute capability >= 8.0 and this GPU has "
-                f"{'?' if capability is None else '%d.%d' % capability}")
+        has = "?" if capability is None else f"{capability[0]}.{capability[1]}"
+        return f"flash-attn 2 needs compute capability >= 8.0 and this GPU has {has}"
     if dtype not in FLASH_DTYPES:
         return f"flash-attn does not run {dtype}"
     if block_size % FLASH_PAGED_BLOCK_MULTIPLE:

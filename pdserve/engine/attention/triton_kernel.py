@@ -111,7 +111,8 @@ def paged_attention(
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, cache_head_dim = layer_cache.shape
     if cache_head_dim != head_dim or num_heads % num_kv_heads:
-        raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(layer_cache.shape)}")
+        raise ValueError(
+            f"query {tuple(query.shape)} does not fit cache {tuple(layer_cache.shape)}")
     if query.stride(2) != 1 or not layer_cache.is_contiguous():
         raise ValueError("paged_attention needs the query's last dimension and the cache "
                          "contiguous")
