@@ -19,7 +19,7 @@ from pdserve.cluster.serve_config import role_autoscaling
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine.kv_cache import max_model_len_for
 from pdserve.engine.model_config import ModelConfig
-from pdserve.handoff.config import MAX_PIECE_BYTES, MIB, HandoffConfig
+from pdserve.handoff.config import MAX_PIECE_BYTES, HandoffConfig
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.ingress import Ingress, IngressSettings
@@ -35,8 +35,8 @@ def cluster_token(cfg: PdserveConfig) -> str:
     return cfg.resolve_auth_token() or secrets.token_hex(16)
 
 
-def handoff_config(cfg: PdserveConfig, token: str) -> HandoffConfig:
-    staging = cfg.handoff.staging_buffer_mb * MIB
+def handoff_config(cfg: PdserveConfig, token: str, model_path: str) -> HandoffConfig:
+    staging = cfg.staging_bytes(model_path)
     return HandoffConfig(
         auth_token=token, timeout_s=cfg.handoff.timeout_s,
         sender_staging_bytes=staging, receiver_staging_bytes=staging,
@@ -99,7 +99,7 @@ def build_from_config(cfg: PdserveConfig) -> Application:
     model_path = resolve_model_path(cfg)
     print(cfg.replica_plan().summary())
     token = cluster_token(cfg)
-    handoff = handoff_config(cfg, token) if cfg.mode == "disaggregated" else None
+    handoff = handoff_config(cfg, token, model_path) if cfg.mode == "disaggregated" else None
     return build_application(cfg, model_path, handoff, handoff, token)
 
 

@@ -38,7 +38,9 @@ from pdserve.cluster.config_sections import (
     RouterSection,
     Section,
     check_api_key,
+    default_staging_bytes,
 )
+from pdserve.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
     from pdserve.engine.cpu_affinity import CpuAffinity
@@ -133,7 +135,19 @@ class PdserveConfig(Section):
 
     def to_engine_config(self, model_path: str) -> EngineConfig:
         """The engine settings of one worker, given the (resolved or generated) checkpoint."""
-        return self.engine.to_engine_config(self.model, model_path, self._cpu_affinity())
+        staging = self.staging_bytes(model_path) if self.mode == "disaggregated" else 0
+        return self.engine.to_engine_config(self.model, model_path, staging,
+                                            self._cpu_affinity())
+
+    def staging_bytes(self, model_path: str) -> int:
+        """Each worker's handoff staging (sender and receiver alike) in bytes:
+        handoff.staging_buffer_mb, else one engine step's KV of the checkpoint's model."""
+        if self.handoff.staging_buffer_mb is not None:
+            return int(self.handoff.staging_buffer_mb * (1 << 20))
+        from pdserve.engine.kv_cache import kv_bytes_per_token  # imports torch: only when wiring
+
+        per_token = kv_bytes_per_token(ModelConfig.from_checkpoint(model_path), self.model.dtype)
+        return default_staging_bytes(per_token, self.engine.max_num_batched_tokens)
 
     def _cpu_affinity(self) -> CpuAffinity | None:
         """The core sets of engine.cpu_affinity, with a claim directory of this application
@@ -298,7 +312,7 @@ def engine_config(model_path: str, dtype: str | None = None, max_model_len: int 
         settings = _EngineSettings.model_validate({"model": model, "engine": engine})
     except ValidationError as exc:
         raise config_error_from(exc, _EngineSettings, "engine settings") from None
-    return settings.engine.to_engine_config(settings.model, model_path)
+    return settings.engine.to_engine_config(settings.model, model_path, handoff_staging_bytes=0)
 
 
 class _EngineSettings(Section):

@@ -26,8 +26,12 @@ if TYPE_CHECKING:
 
 # A guessable handoff token would let any peer write into decode workers' KV caches.
 MIN_TOKEN_CHARS = 16
-# The KV cache's size when neither engine.num_kv_blocks nor engine.kv_cache_memory_gb is set.
+# The KV cache's size when neither engine.num_kv_blocks nor engine.kv_cache_memory_gb is set
+# and the device cannot be measured (CPU); CUDA sizes it from engine.gpu_memory_utilization.
 DEFAULT_KV_CACHE_MEMORY_GB = 0.5
+# handoff.staging_buffer_mb's default never goes below this: smaller, a piece is mostly its
+# fixed cost (a header, a message, thread hops), and even a tiny model's step fits a few.
+MIN_STAGING_BYTES = 1 << 20
 
 
 class Section(BaseModel):
@@ -80,9 +84,16 @@ class EngineSection(Section):
     block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV cache block.")
     num_kv_blocks: int | None = Field(
         None, ge=1, description="KV cache blocks per worker. At most one of num_kv_blocks and "
-        f"kv_cache_memory_gb; neither: {DEFAULT_KV_CACHE_MEMORY_GB} GiB of blocks.")
+        "kv_cache_memory_gb; neither: on CUDA, what gpu_memory_utilization leaves; on CPU, "
+        f"{DEFAULT_KV_CACHE_MEMORY_GB} GiB of blocks.")
     kv_cache_memory_gb: float | None = Field(
         None, gt=0, description="KV cache size per worker in GiB, converted to blocks.")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="On CUDA, when neither num_kv_blocks nor "
+        "kv_cache_memory_gb is set: the fraction of the GPU's memory the worker may use. After "
+        "the weights load, one step at max_num_batched_tokens is profiled and the KV cache gets "
+        "what is left of that fraction after memory in use, the step's peak activations and the "
+        "handoff staging (as vLLM's gpu_memory_utilization).")
     max_num_batched_tokens: int = Field(2048, ge=1, description="Token budget of one engine step.")
     max_num_seqs: int = Field(64, ge=1, description="Most requests in one engine step.")
     long_prefill_token_threshold: int = Field(
@@ -123,16 +134,20 @@ class EngineSection(Section):
                     seen[core] = where
         return self
 
-    def to_engine_config(self, model: ModelSection, model_path: str,
+    def to_engine_config(self, model: ModelSection, model_path: str, handoff_staging_bytes: int,
                          cpu_affinity: CpuAffinity | None = None) -> EngineConfig:
-        """One worker's engine settings, given the (resolved or generated) checkpoint."""
+        """One worker's engine settings, given the (resolved or generated) checkpoint and the
+        device memory its handoff stages KV in (0: none)."""
         from pdserve.engine.engine_config import EngineConfig  # imports torch: only when wiring
 
-        memory_gb = self.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB
+        sized = self.num_kv_blocks is not None or self.kv_cache_memory_gb is not None
         return EngineConfig(
             model_path=model_path, dtype=model.dtype, device=self.device,
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-            kv_cache_memory_gb=memory_gb, max_num_batched_tokens=self.max_num_batched_tokens,
+            kv_cache_memory_gb=self.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB,
+            gpu_memory_utilization=None if sized else self.gpu_memory_utilization,
+            handoff_staging_bytes=handoff_staging_bytes,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, max_model_len=model.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
@@ -153,11 +168,22 @@ class EngineSection(Section):
 
 class Resources(Section):
     num_cpus: float = Field(1.0, ge=0, description="Logical CPUs Ray reserves per replica.")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica; whole numbers in "
-                            "disaggregated mode so prefill and decode never share a GPU.")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica, at most 1 (a "
+                            "replica's engine runs on one GPU: tensor parallelism is not "
+                            "implemented); whole numbers in disaggregated mode so prefill and "
+                            "decode never share a GPU.")
     custom: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources per replica, e.g. {prefill_node: "
         "1} to pin the role to nodes started with --resources '{\"prefill_node\": N}'.")
+
+    @field_validator("num_gpus", mode="before")
+    @classmethod
+    def _one_gpu_at_most(cls, value: Any) -> Any:
+        if isinstance(value, int | float) and value > 1:
+            raise ValueError(f"{value} GPUs per replica: a replica runs its engine on one GPU "
+                             "(tensor parallelism is not implemented), so the others would sit "
+                             "idle; use num_gpus: 1 and more replicas")
+        return value
 
     def to_replica_resources(self) -> ReplicaResources:
         return ReplicaResources(self.num_cpus, self.num_gpus, tuple(sorted(self.custom.items())))
@@ -310,9 +336,12 @@ class HandoffSection(Section):
         "'mlx5_0:1' or 'eth0'); default: UCX picks, and its TCP transport listens on every "
         "interface's address. 'lo' keeps it on loopback (one machine; shared memory needs no "
         "device). Peers connect by the worker address in each ticket: no listen address to set.")
-    staging_buffer_mb: int = Field(
-        64, ge=1, description="Per-worker staging for KV pieces in flight (sender and "
-        "receiver each).")
+    staging_buffer_mb: float | None = Field(
+        None, gt=0, description="Per-worker staging for KV pieces in flight (sender and "
+        "receiver each), in MiB. It bounds bytes in flight, not a prompt: pieces stream "
+        "through it, the sender waiting for room. Default: one engine step's KV (the model's KV "
+        "bytes per token x engine.max_num_batched_tokens, at least "
+        f"{MIN_STAGING_BYTES >> 20} MiB). On CUDA it comes out of the KV cache's memory.")
 
     @model_validator(mode="after")
     def _one_token_source(self) -> HandoffSection:
@@ -356,6 +385,12 @@ class HttpSection(Section):
         for key in keys:
             check_api_key(key.get_secret_value())
         return keys
+
+
+def default_staging_bytes(kv_bytes_per_token: int, max_num_batched_tokens: int) -> int:
+    """handoff.staging_buffer_mb's default, in bytes: one engine step's KV of the model (what one
+    step can hand the sender at once), at least `MIN_STAGING_BYTES`."""
+    return max(MIN_STAGING_BYTES, kv_bytes_per_token * max_num_batched_tokens)
 
 
 def check_api_key(key: str) -> str:

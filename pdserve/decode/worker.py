@@ -67,8 +67,7 @@ class DecodeWorker:
             self.transport = HandoffTransport(handoff_config).start()
             self.receiver = HandoffReceiver(self.transport, self.engine.kv_cache,
                                             self.engine.layout)
-        logger.info("decode worker ready: %d KV blocks of %d tokens",
-                    self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
+        logger.info("decode worker ready: %s", self.engine.describe())
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
         """Run ``request``, its tokens going to ``request.sink``; yields its lifecycle events

@@ -81,6 +81,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     progress: bool = False,
+    block_size: int = 16,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build `CausalLM` from a checkpoint directory, weights cast to `dtype`, on `device`.
 
@@ -91,9 +92,10 @@ def load_model(
     config = ModelConfig.from_checkpoint(root)
     weight_files = find_weight_files(root)
     _check_index_covers_model(weight_files, config)
-    backend = select_attention_backend(device, dtype)
+    choice = select_attention_backend(device, dtype, block_size)
     with torch.device("meta"):
-        model = CausalLM(config, attention_backend=backend)
+        model = CausalLM(config, attention_backend=choice.backend,
+                         attention_reason=choice.reason)
     # Materialise uninitialised storage directly in the target dtype/device: no random init.
     model = model.to(dtype).to_empty(device=device)
     loader = WeightLoader(model, config)
@@ -104,8 +106,8 @@ def load_model(
     loader.check_complete(str(root))
     if progress:
         logger.info(
-            "loaded %s (%s, %s) with %s attention", root, config.architecture, dtype, backend.name
-        )
+            "loaded %s (%s, %s) with %s attention", root, config.architecture, dtype,
+            choice.backend.name)
     return model.eval(), config
 
 

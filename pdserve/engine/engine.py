@@ -19,10 +19,10 @@ from pdserve.engine.kv_cache import (
     allocate_kv_cache,
     kv_layout_for,
     max_model_len_for,
-    num_kv_blocks_for,
 )
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.loaded_model import LoadedModel
+from pdserve.engine.memory_profile import describe_engine, plan_kv_cache
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.sampler import TokenLogprobs, make_generator
@@ -105,15 +105,17 @@ class LLMEngine:
         self.config = config
         device = config.resolve_device()
         if loaded is None:
-            loaded = LoadedModel.load(config.model_path, config.torch_dtype, device, progress=True)
+            loaded = LoadedModel.load(config.model_path, config.torch_dtype, device, progress=True,
+                                     block_size=config.block_size)
         self.loaded = loaded
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
         self.max_model_len = max_model_len_for(loaded.config, config.max_model_len)
         self.layout = kv_layout_for(loaded.config, loaded.fingerprint, loaded.dtype,
                                     config.block_size)
-        num_blocks = num_kv_blocks_for(self.layout, config.num_kv_blocks,
-                                       config.kv_cache_memory_gb)
+        self.kv_budget = plan_kv_cache(config, self.layout, loaded.model, self.device,
+                                       self.max_model_len)
+        num_blocks = self.kv_budget.num_blocks
         self.kv_cache = allocate_kv_cache(self.layout, num_blocks, self.device)
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, loaded.fingerprint, config.enable_prefix_caching
@@ -130,6 +132,11 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
+
+    def describe(self) -> str:
+        """The start-up line every worker logs: device, attention and why, KV, staging."""
+        return describe_engine(self.device, self.loaded.model, self.layout, self.kv_budget,
+                               self.config.handoff_staging_bytes)
 
     # ---- requests in -------------------------------------------------------------------
     def add_request(

@@ -23,6 +23,12 @@ class EngineConfig:
     # Blocks in the cache; None sizes it from kv_cache_memory_gb (`kv_cache.num_kv_blocks_for`).
     num_kv_blocks: int | None
     kv_cache_memory_gb: float
+    # On CUDA: the fraction of the device's memory the worker may use, the KV cache taking what
+    # is left of it (`memory_profile.plan_kv_cache`); None: the size above, on every device.
+    gpu_memory_utilization: float | None
+    # Device memory the worker's KV handoff stages pieces in, kept out of a measured KV cache
+    # (0: a worker without a handoff).
+    handoff_staging_bytes: int
     max_num_batched_tokens: int
     max_num_seqs: int
     # None: the model's max_position_embeddings (`kv_cache.max_model_len_for`).

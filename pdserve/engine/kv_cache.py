@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kv_layout import NAME_BY_DTYPE, KVLayout
+from pdserve.engine.kv_layout import DTYPE_BY_NAME, NAME_BY_DTYPE, KVLayout
 from pdserve.engine.model_config import ModelConfig
 
 GIB = 1 << 30
@@ -18,6 +18,13 @@ def max_model_len_for(config: ModelConfig, requested: int | None) -> int:
     """The longest sequence (prompt + output) served: ``requested`` (model.max_model_len),
     capped by what the model's positions cover; None asks for all of them."""
     return min(requested or config.max_position_embeddings, config.max_position_embeddings)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
+    """K and V of one token in every layer, in bytes, for a cache of dtype ``dtype`` (a
+    DTYPE_BY_NAME key)."""
+    return (2 * config.num_layers * config.num_kv_heads * config.head_dim
+            * DTYPE_BY_NAME[dtype].itemsize)
 
 
 def kv_layout_for(

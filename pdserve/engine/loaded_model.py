@@ -26,9 +26,11 @@ class LoadedModel:
 
     @classmethod
     def load(
-        cls, path: str, dtype: torch.dtype, device: torch.device, progress: bool = False
+        cls, path: str, dtype: torch.dtype, device: torch.device, progress: bool = False,
+        block_size: int = 16,
     ) -> LoadedModel:
-        model, config = load_model(path, dtype, device, progress=progress)
+        """``block_size``: the KV cache's, which decides the attention backend on CUDA."""
+        model, config = load_model(path, dtype, device, progress=progress, block_size=block_size)
         model.eval()
         return cls(
             model=model,

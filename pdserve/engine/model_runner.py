@@ -72,14 +72,15 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
                 sample_requests.append(request)
-        metadata = AttentionMetadata.build(
-            query_lens, seq_lens, block_tables, self.block_size, self.device
+        metadata, (input_ids, positions_t, sample_rows_t) = AttentionMetadata.build_with(
+            query_lens, seq_lens, block_tables, self.block_size, self.device,
+            extra=(token_ids, positions, sample_rows),
         )
         return BatchInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            input_ids=input_ids,
+            positions=positions_t,
             attn_metadata=metadata,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sample_rows=sample_rows_t,
             sample_requests=sample_requests,
         )
 

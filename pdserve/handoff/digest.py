@@ -55,8 +55,21 @@ def device_digest(buffer: torch.Tensor) -> int:
         weighted = chunk * position % _PRIME
         squared = chunk * (position * position % _PRIME) % _PRIME
         totals += torch.stack((chunk.sum(), weighted.sum(), squared.sum())) % _PRIME
-    sums = (totals % _PRIME).tolist()
+    sums = _read_back(totals % _PRIME)
     return xxhash.xxh3_64_intdigest(struct.pack("<4Q", *sums, nbytes))
+
+
+def _read_back(values: torch.Tensor) -> list[int]:
+    """A small device tensor's values, through pinned memory and an event on the current
+    stream: waits for that stream's work only, not the whole device."""
+    if not values.is_cuda:
+        return values.tolist()
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(values.device))
+    copied.synchronize()
+    return host.tolist()
 
 
 def combine_digests(records: Sequence[tuple[PieceSpec, int, int]]) -> int:

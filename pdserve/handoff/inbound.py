@@ -56,7 +56,7 @@ class InboundTransfer:
     request_id: str
     transfer_id: int
     layout: KVLayout
-    block_ids: torch.Tensor  # int64, on the cache's device
+    block_ids: torch.Tensor  # int64, on the host (built on the caller's loop: no device copy)
     block_id_list: tuple[int, ...]
     num_tokens: int
     deadline: float  # time.monotonic()
@@ -69,6 +69,7 @@ class InboundTransfer:
     fence_info: FenceInfo | None = None
     finished_at: float | None = None
     write_lock: threading.Lock = field(default_factory=threading.Lock)
+    device_block_ids: torch.Tensor | None = None  # block_ids where the cache is (payload thread)
     result: concurrent.futures.Future[FenceInfo] = field(default_factory=concurrent.futures.Future)
     _pieces: dict[int, _Piece] = field(default_factory=dict)
     _announced_bytes: int = 0

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from pdserve.handoff.device_stream import HandoffStream
 from pdserve.handoff.errors import (
     HandoffCapacityError,
     HandoffError,
@@ -39,6 +40,7 @@ class PieceLanding:
                  fail: FailFn, landed: RecordFn) -> None:
         self._transport, self._cache, self._pool = transport, cache, pool
         self._admission = StagingAdmission(pool)
+        self._stream = HandoffStream(cache.device)
         self._fail, self._landed = fail, landed
         self.num_drained = 0
         self.num_landed = 0
@@ -117,9 +119,15 @@ class PieceLanding:
         return await asyncio.shield(job)
 
     def _land(self, record: InboundTransfer, spec: PieceSpec, view: torch.Tensor) -> int | None:
-        """Scatter under the write lock unless the transfer already ended (then None)."""
+        """Scatter under the write lock unless the transfer already ended (then None). CUDA:
+        on the handoff stream (not behind the engine's forward passes); the digest's read-back
+        waits for the scatter, so the blocks are written when this returns."""
         with record.write_lock:
             if record.terminal:
                 return None
+            if record.device_block_ids is None:
+                record.device_block_ids = self._stream.to_device(record.block_id_list)
             staged = piece_view(view, spec, record.layout)
-            return scatter_piece(staged, self._cache, record.block_ids, spec, record.layout)
+            with self._stream.active():
+                return scatter_piece(staged, self._cache, record.device_block_ids, spec,
+                                     record.layout)

@@ -1,8 +1,9 @@
 """One request's KV push on the prefill side: the piece plan, the staging buffers the compute
-thread gathers into, and when the transfer may let go of its source blocks.
+thread gathers into, the pieces deferred until staging has room, and when the transfer may let
+go of its source blocks.
 
-Compute-thread methods never wait on the network; loop-side state is touched only on the loop.
-The release rule (`may_release`) is plain state, testable without UCX.
+Compute-thread methods never wait on the network or on staging; loop-side state is touched only
+on the loop. The release rule (`may_release`) is plain state, testable without UCX.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ import torch
 import xxhash
 
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.handoff.errors import HandoffCapacityError, HandoffError, HandoffProtocolError
+from pdserve.handoff.device_stream import HandoffStream
+from pdserve.handoff.errors import HandoffError, HandoffProtocolError
 from pdserve.handoff.kvcopy import (
     byte_rows,
+    cache_rows,
     checked_ids,
     gather_cuda_layer,
     gather_rows,
@@ -40,6 +43,16 @@ class ReadyPiece:
     buffer: torch.Tensor  # the staging buffer (owned until released)
     event: Any  # torch.cuda.Event recorded after the gather, or None on host memory
     digest: int | None  # xxh3-64 taken during the gather, or None: hash it off the loop
+
+
+@dataclass(frozen=True)
+class DeferredPiece:
+    """A piece whose layers were all written while staging was full: the loop gathers it later,
+    whole, from the source blocks (pinned until ``released``) once a buffer frees up."""
+
+    spec: PieceSpec
+    cache: torch.Tensor
+    written: Any  # CUDA: an event on the handoff stream after the piece's last layer; or None
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,7 @@ class OutboundTransfer:
     plan: list[PieceSpec]
     pool: StagingPool
     deadline: float  # time.monotonic()
+    stream: HandoffStream | None = None  # CUDA caches: where gathers run (after the engine's)
     released: concurrent.futures.Future[SendResult] = field(
         default_factory=concurrent.futures.Future)
     # compute-thread state, under _lock
@@ -75,9 +89,14 @@ class OutboundTransfer:
     _buffers: dict[int, torch.Tensor] = field(default_factory=dict)
     _hashers: dict[int, Any] = field(default_factory=dict)  # host pieces: piece index -> xxh3
     _ids_np: np.ndarray | None = None  # host block ids, range-checked on first use
+    # Backpressure: once one piece found staging full, it and every later piece are deferred
+    # (gathered by the loop in order), so no buffer waits behind a piece that waits for one.
+    _deferring: bool = False
+    _deferred: set[int] = field(default_factory=set)
     _by_layer: dict[int, list[PieceSpec]] = field(default_factory=dict)
     _fence_requested: bool = False
     # loop-side state
+    lookahead: DeferredPiece | None = None  # taken off the queue, gathered before what follows
     queue: Any = None  # asyncio.Queue of ReadyPiece | FenceRequest | None (wake-up)
     link: Any = None  # the PeerLink carrying it
     pump: Any = None  # the asyncio task announcing its pieces
@@ -116,11 +135,12 @@ class OutboundTransfer:
 
     # ---- compute thread ---------------------------------------------------------------
     def gather_layer(self, cache: torch.Tensor, layer: int,
-                     src_rows: np.ndarray | None = None) -> list[ReadyPiece]:
+                     src_rows: np.ndarray | None = None) -> list[ReadyPiece | DeferredPiece]:
         """Copy this layer's blocks into the staging buffers of the pieces that hold it and
-        return the pieces now complete. ``src_rows``: a host cache's `cache_rows`. Never waits
-        on the network; on a full staging pool the transfer fails with `HandoffCapacityError`
-        and the engine carries on.
+        return the pieces now complete. ``src_rows``: a host cache's `cache_rows`. Never waits:
+        a piece that finds staging full is deferred (returned as a `DeferredPiece` once its
+        last layer is written) and the engine carries on. CUDA caches: call inside the
+        handoff stream's `after_engine`.
 
         Holds the transfer's lock while copying, so a transfer ending meanwhile (loop thread)
         takes back its buffers only after the copy finished.
@@ -133,11 +153,14 @@ class OutboundTransfer:
                     f"layer {layer} sent out of order (expected {self._next_layer})")
                 return []
             self._next_layer += 1
-            ready: list[ReadyPiece] = []
+            ready: list[ReadyPiece | DeferredPiece] = []
             for spec in self._by_layer.get(layer, ()):
-                buffer = self._buffer_for_locked(spec)
+                buffer = self._buffer_for_locked(spec, layer)
                 if buffer is None:
-                    return ready  # the loop releases these: the transfer has failed
+                    if layer + 1 == spec.layer_end:
+                        self._deferred.discard(spec.index)
+                        ready.append(DeferredPiece(spec, cache, self._record()))
+                    continue
                 if layer == spec.layer_start and not buffer.is_cuda:
                     self._hashers[spec.index] = xxhash.xxh3_64()
                 hasher = self._hashers.get(spec.index)
@@ -152,9 +175,34 @@ class OutboundTransfer:
                     del self._buffers[spec.index]
                     hasher = self._hashers.pop(spec.index, None)
                     ready.append(ReadyPiece(spec, buffer[:spec.nbytes(self.layout)], buffer,
-                                            _record_event(buffer),
+                                            self._record(),
                                             None if hasher is None else hasher.intdigest()))
             return ready
+
+    def gather_piece(self, piece: DeferredPiece, buffer: torch.Tensor) -> ReadyPiece:
+        """Payload thread: copy a deferred piece, every layer at once, from its source blocks
+        into ``buffer`` (the engine keeps those blocks until ``released``, and their layers
+        are final: the engine wrote them before the piece was deferred)."""
+        spec, cache = piece.spec, piece.cache
+        view = piece_view(buffer, spec, self.layout)
+        payload = buffer[:spec.nbytes(self.layout)]
+        if cache.is_cuda:
+            assert self.stream is not None
+            with self.stream.active():  # ordered after ``piece.written`` on the same stream
+                for layer in range(spec.layer_start, spec.layer_end):
+                    gather_cuda_layer(cache, self.block_ids, spec, layer, self.layout, view)
+                return ReadyPiece(spec, payload, buffer, self.stream.record(), None)
+        rows = cache_rows(cache, self.layout)
+        with self._lock:
+            ids = self._host_ids(rows.shape[2])[spec.block_start:spec.block_end]
+        hasher = xxhash.xxh3_64()
+        for layer in range(spec.layer_start, spec.layer_end):
+            gather_rows(rows[layer, spec.kv_start:spec.kv_end], ids,
+                        byte_rows(view[layer - spec.layer_start]), hasher)
+        return ReadyPiece(spec, payload, buffer, None, hasher.intdigest())
+
+    def _record(self) -> Any:
+        return None if self.stream is None else self.stream.record()
 
     def _host_ids(self, num_cache_blocks: int) -> np.ndarray:
         if self._ids_np is None:
@@ -180,17 +228,18 @@ class OutboundTransfer:
             self._buffers.clear()
             return buffers
 
-    def _buffer_for_locked(self, spec: PieceSpec) -> torch.Tensor | None:
+    def _buffer_for_locked(self, spec: PieceSpec, layer: int) -> torch.Tensor | None:
+        """The piece's buffer, taken at its first layer; None while the piece is deferred."""
         buffer = self._buffers.get(spec.index)
-        if buffer is None:
+        if buffer is not None or spec.index in self._deferred or layer != spec.layer_start:
+            return buffer
+        if not self._deferring:
             buffer = self.pool.try_acquire(spec.nbytes(self.layout))
-            if buffer is None:
-                stats = self.pool.stats()
-                self._error = HandoffCapacityError(
-                    f"sender staging full ({stats.in_use_bytes} of {stats.capacity_bytes} bytes "
-                    f"in use); dropping the handoff of {self.request_id!r}")
-                return None
-            self._buffers[spec.index] = buffer
+        if buffer is None:
+            self._deferring = True
+            self._deferred.add(spec.index)
+            return None
+        self._buffers[spec.index] = buffer
         return buffer
 
     # ---- loop side ------------------------------------------------------------------------
@@ -204,11 +253,3 @@ class OutboundTransfer:
     def result(self) -> SendResult:
         return SendResult(self.request_id, self.transfer_id, self.bytes_sent, self.pieces_sent,
                           self.error, time.monotonic())
-
-
-def _record_event(buffer: torch.Tensor) -> Any:
-    if not buffer.is_cuda:
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event

@@ -110,7 +110,7 @@ class HandoffReceiver(KVReceiver):
                 raise ValueError(f"blocks {sorted(clash)[:8]} are reserved by another transfer")
             record = InboundTransfer(
                 request_id, self._new_transfer_id(), layout,
-                torch.tensor(ids, dtype=torch.int64, device=self._cache.device), ids, num_tokens,
+                torch.tensor(ids, dtype=torch.int64), ids, num_tokens,
                 time.monotonic() + (deadline - now), max_piece, self._transport.instance_id,
                 digest_kind(self._cache.device))
             ticket = HandoffTicket(

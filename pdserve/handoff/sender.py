@@ -14,19 +14,21 @@ import torch
 
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.handoff.contract import KVSender
+from pdserve.handoff.device_stream import HandoffStream
 from pdserve.handoff.digest import combine_digests, digest, digest_kind
 from pdserve.handoff.errors import (
     HandoffCancelledError,
+    HandoffCapacityError,
     HandoffError,
     HandoffPeerGoneError,
     HandoffTimeoutError,
     error_from_code,
 )
 from pdserve.handoff.kvcopy import cache_rows
-from pdserve.handoff.outbound import FenceRequest, OutboundTransfer, ReadyPiece
+from pdserve.handoff.outbound import DeferredPiece, FenceRequest, OutboundTransfer, ReadyPiece
 from pdserve.handoff.peers import PeerLink
 from pdserve.handoff.plan import PieceSpec, plan_pieces
-from pdserve.handoff.staging import StagingPool, StagingStats
+from pdserve.handoff.staging import StagingAdmission, StagingPool, StagingStats
 from pdserve.handoff.ticket import HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import PIECES_PER_FRAME, Kind, WireError, data_tag, peek, piece_entry
@@ -51,6 +53,10 @@ class HandoffSender(KVSender):
     many transfers multiplexed on it). Implements `KVSender` (the contract: block ownership,
     deferred free); `send_layer` gathers each finished layer into staging and returns, so the
     network never blocks compute.
+
+    Staging is a bounded ring with backpressure: a piece that finds it full is gathered later
+    from its (pinned) source blocks, in order, as sends complete and free buffers; a transfer
+    of any size streams through.
     """
 
     def __init__(self, transport: HandoffTransport, *,
@@ -59,6 +65,8 @@ class HandoffSender(KVSender):
         self._transport = transport
         self._config = transport.config
         self._pool = StagingPool(self._config.sender_staging_bytes, device)
+        self._admission = StagingAdmission(self._pool)  # loop only: deferred pieces wait here
+        self._stream = HandoffStream(self._pool.device)
         self._links: dict[bytes, PeerLink] = {}  # loop only
         self._by_session: dict[int, PeerLink] = {}  # loop only
         self._active: dict[int, OutboundTransfer] = {}  # loop only, by transfer id
@@ -75,10 +83,10 @@ class HandoffSender(KVSender):
             raise ValueError(f"{len(block_ids)} source blocks for a ticket of {ticket.num_blocks}")
         plan = plan_pieces(layout, ticket.num_blocks, self._config.min_piece_bytes,
                            ticket.max_piece_bytes, layers_per_piece)
-        ids = torch.tensor([int(b) for b in block_ids], dtype=torch.int64,
-                           device=self._pool.device)
+        ids = self._stream.to_device([int(b) for b in block_ids])
         transfer = OutboundTransfer(ticket, layout, ids, plan, self._pool,
-                                    time.monotonic() + (ticket.deadline - time.time()))
+                                    time.monotonic() + (ticket.deadline - time.time()),
+                                    self._stream)
         transfer.queue = asyncio.Queue()  # binds to the handoff loop on first use
         self._transport.call_soon(self._begin, transfer)  # runs before any later call_soon
         return transfer
@@ -88,10 +96,11 @@ class HandoffSender(KVSender):
         if cache.device != self._pool.device:
             raise ValueError(f"cache on {cache.device}, sender staging on {self._pool.device}: "
                              f"construct HandoffSender(transport, device=cache.device)")
-        for transfer in transfers:
-            src_rows = None if cache.is_cuda else cache_rows(cache, transfer.layout)
-            for piece in transfer.gather_layer(cache, layer, src_rows):
-                self._transport.call_soon(self._enqueue, transfer, piece)
+        with self._stream.after_engine():
+            for transfer in transfers:
+                src_rows = None if cache.is_cuda else cache_rows(cache, transfer.layout)
+                for piece in transfer.gather_layer(cache, layer, src_rows):
+                    self._transport.call_soon(self._enqueue, transfer, piece)
 
     def send_fence(self, transfer: OutboundTransfer,
                    first_token_id: int) -> None:
@@ -157,7 +166,7 @@ class HandoffSender(KVSender):
         if not transfer.may_release():
             return
         for buffer in transfer.take_unfinished_buffers():
-            self._pool.release(buffer)
+            self._admission.release(buffer)
         self._active.pop(transfer.transfer_id, None)
         transfer.link.transfers.discard(transfer)
         result = transfer.result()
@@ -201,19 +210,51 @@ class HandoffSender(KVSender):
         except HandoffError as exc:
             transfer.fail(exc)
 
-    @staticmethod
-    async def _next_items(transfer: OutboundTransfer,
+    async def _next_items(self, transfer: OutboundTransfer,
                           ) -> tuple[list[ReadyPiece], FenceRequest | None]:
-        """Every piece queued right now (one frame announces them all), and a fence if one
-        follows them. ([], None) is the wake-up to stop."""
-        item = await transfer.queue.get()
+        """Every gathered piece queued right now (one frame announces them all), and a fence if
+        one follows them; or one deferred piece, once it has staging and was gathered (the
+        pieces before it went out first). ([], None) is the wake-up to stop."""
+        item = transfer.lookahead or await transfer.queue.get()
+        transfer.lookahead = None
+        if isinstance(item, DeferredPiece):
+            gathered = await self._gather_deferred(transfer, item)
+            return ([] if gathered is None else [gathered]), None
         pieces: list[ReadyPiece] = []
         while isinstance(item, ReadyPiece):
             pieces.append(item)
             if transfer.queue.empty() or len(pieces) == PIECES_PER_FRAME:
                 return pieces, None
             item = transfer.queue.get_nowait()
+            if isinstance(item, DeferredPiece):
+                transfer.lookahead = item
+                return pieces, None
         return pieces, item
+
+    async def _gather_deferred(self, transfer: OutboundTransfer,
+                               piece: DeferredPiece) -> ReadyPiece | None:
+        """Wait (first come, first served) for staging, then gather the piece off the loop.
+        None when the transfer failed meanwhile."""
+        nbytes = piece.spec.nbytes(transfer.layout)
+        if not self._pool.fits_ever(nbytes):
+            transfer.fail(HandoffCapacityError(
+                f"piece of {nbytes} bytes exceeds the sender's staging "
+                f"({self._pool.capacity_bytes} bytes)"))
+            return None
+        buffer = await self._admission.acquire(nbytes, lambda: transfer.error is not None)
+        if buffer is None:
+            return None
+        job = asyncio.ensure_future(self._transport.run_payload(transfer.gather_piece, piece,
+                                                                buffer))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(lambda _: self._admission.release(buffer))
+            raise
+        except Exception as exc:  # noqa: BLE001 - a failed copy ends this transfer only
+            self._admission.release(buffer)
+            transfer.fail(HandoffError(f"gathering piece {piece.spec.index} failed: {exc}"))
+            return None
 
     async def _announce(self, transfer: OutboundTransfer, link: PeerLink,
                         pieces: list[ReadyPiece]) -> list[Record]:
@@ -246,7 +287,7 @@ class HandoffSender(KVSender):
         loop, once the gather's event completed."""
         if piece.digest is not None:
             return piece.digest
-        job = asyncio.ensure_future(self._transport.run_payload(_wait_and_digest,
+        job = asyncio.ensure_future(self._transport.run_payload(self._wait_and_digest,
                                                                 piece.payload, piece.event))
         try:
             return await asyncio.shield(job)
@@ -260,6 +301,7 @@ class HandoffSender(KVSender):
         transfer.sends.discard(task)
         if task.cancelled():
             self._pool.quarantine(piece.buffer)  # the peer may still read it: never reuse
+            self._admission.pump()
         elif task.exception() is not None:
             self._release_piece(piece)
             transfer.fail(HandoffPeerGoneError(
@@ -271,7 +313,14 @@ class HandoffSender(KVSender):
         self._maybe_release(transfer)
 
     def _release_piece(self, piece: ReadyPiece) -> None:
-        self._pool.release(piece.buffer)
+        self._admission.release(piece.buffer)
+
+    def _wait_and_digest(self, view: torch.Tensor, event: object) -> int:
+        """Payload thread: a CUDA piece's digest on the handoff stream, once gathered."""
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+        with self._stream.active():
+            return digest(view)
 
     # ---- loop: failures -------------------------------------------------------------------------
     def _abort(self, transfer: OutboundTransfer, error: HandoffError, *,
@@ -283,6 +332,7 @@ class HandoffSender(KVSender):
             transfer.receiver_aborted = True
         if not transfer.pump_done:
             transfer.queue.put_nowait(None)
+        self._admission.pump()  # a deferred piece waiting for staging gives up
         if force:
             transfer.pump.cancel()
             for task in list(transfer.sends):
@@ -338,8 +388,3 @@ class HandoffSender(KVSender):
         for link in list(self._links.values()):
             link.fail(HandoffCancelledError("sender shutting down"))
 
-
-def _wait_and_digest(view: torch.Tensor, event: object) -> int:
-    if event is not None:
-        event.synchronize()  # type: ignore[attr-defined]
-    return digest(view)

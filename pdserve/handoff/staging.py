@@ -29,8 +29,14 @@ class StagingStats:
 
 class StagingPool:
     """Hands out uint8 buffers of power-of-two size classes, never more than ``capacity_bytes``
-    in use plus cached. Thread-safe. ``try_acquire`` never blocks: callers decide whether to
-    queue (receiver) or fail the transfer (sender, whose compute thread must not wait).
+    in use plus cached. Thread-safe. ``try_acquire`` never blocks: callers that find it full
+    queue in a `StagingAdmission` (on the handoff loop) until a release makes room.
+
+    CUDA: UCX writes and reads staging outside any stream's order, while PyTorch's caching
+    allocator may hand out memory that kernels queued earlier on the allocating stream still
+    use. So every new CUDA buffer is handed out only after its device synchronized (ucxx's own
+    Dask backend synchronizes before CUDA transfers for the same reason); reused buffers never
+    leave pdserve's hands, so they need no sync.
 
     Ownership: a buffer belongs to its acquirer until ``release``; the pool never hands the
     same buffer to two holders and never frees one that is in use.
@@ -79,6 +85,8 @@ class StagingPool:
         if buffer is None:
             # Allocate outside the lock: page faults or a CUDA malloc can take a while.
             buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if buffer.is_cuda:
+                torch.cuda.synchronize(self.device)
         with self._lock:
             self._in_use[id(buffer)] = (size, buffer)
         return buffer

@@ -63,8 +63,7 @@ class PrefillWorker:
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
         self.drain_timeout_s = drain_timeout_s
-        logger.info("prefill worker ready: %d KV blocks of %d tokens",
-                    self.engine.kv_manager.num_blocks, self.engine.layout.block_size)
+        logger.info("prefill worker ready: %s", self.engine.describe())
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         rid = request.request_id

@@ -278,11 +278,12 @@ def test_served_model_name_defaults() -> None:
     assert parse_config(config_with(served_model_name="m")).model_name() == "m"
 
 
-def test_engine_config_carries_the_settings() -> None:
+def test_engine_config_carries_the_settings(tiny_checkpoints: dict[str, str]) -> None:
     cfg = load_config(None)
-    engine = cfg.to_engine_config("/tmp/model")
+    path = tiny_checkpoints["llama"]
+    engine = cfg.to_engine_config(path)
     assert (engine.model_path, engine.block_size, engine.num_kv_blocks, engine.device) == \
-        ("/tmp/model", 16, 512, "cpu")
+        (path, 16, 512, "cpu")
     assert engine.max_num_batched_tokens == cfg.engine.max_num_batched_tokens
     [problem] = problems_of(config_with(engine={"num_kv_blocks": 8, "kv_cache_memory_gb": 1.0}))
     assert problem.startswith("engine: give at most one of engine.num_kv_blocks")
@@ -292,7 +293,7 @@ def test_handoff_settings_reach_the_workers_handoff_config() -> None:
     from pdserve.cluster.app import handoff_config
 
     cfg = parse_config(config_with(handoff__staging_buffer_mb=8, handoff__timeout_s=7))
-    built = handoff_config(cfg, "a-cluster-token-0123456789")
+    built = handoff_config(cfg, "a-cluster-token-0123456789", "/no/checkpoint")
     assert built.sender_staging_bytes == built.receiver_staging_bytes == 8 << 20
     assert built.max_piece_bytes == 8 << 20 and built.timeout_s == 7
     # One data path: no key turns on a same-host read.

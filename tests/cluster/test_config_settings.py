@@ -54,10 +54,11 @@ def test_an_engine_outside_a_served_config_takes_the_schema_defaults() -> None:
         engine_config("/models/m", dtype="float8")
 
 
-def test_each_timeout_bounds_its_own_wait() -> None:
+def test_each_timeout_bounds_its_own_wait(tiny_checkpoints: dict[str, str]) -> None:
     cfg = parse_config(config_with(handoff={"timeout_s": 7.0, "reserve_timeout_s": 3.0,
                                             "drain_timeout_s": 11.0}))
-    assert handoff_config(cfg, "a-cluster-token-0123456789").timeout_s == 7.0
+    built = handoff_config(cfg, "a-cluster-token-0123456789", tiny_checkpoints["llama"])
+    assert built.timeout_s == 7.0
     assert _deployment_options(cfg, "prefill")["graceful_shutdown_timeout_s"] == \
         11.0 + PREFILL_SHUTDOWN_MARGIN_S
     assert "graceful_shutdown_timeout_s" not in _deployment_options(cfg, "decode")

@@ -25,6 +25,7 @@ from pdserve.cluster.config import parse_config
 from pdserve.cluster.frontend import direct_ingress_env, free_http_port
 from pdserve.cluster.serve_config import serve_deploy_config
 from tests.cluster.local_ray import LocalRayCluster, start_head
+from tests.support.metrics import metric_value
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -87,11 +88,6 @@ def base_config(model_path: str) -> dict[str, Any]:
         "router": {"min_disaggregated_prompt_tokens": 16, "request_timeout_s": 120},
         "handoff": {"timeout_s": 20},
     }
-
-
-def metric_value(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 def reference_text(model_path: str) -> str:

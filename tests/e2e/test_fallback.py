@@ -33,7 +33,8 @@ def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> s
 
     cfg = parse_config(app_config(tiny_checkpoints["llama"], "disaggregated"), source="fallback")
     token = cfg.resolve_auth_token()
-    good = dataclasses.replace(handoff_config(cfg, token), timeout_s=3.0)
+    good = dataclasses.replace(handoff_config(cfg, token, tiny_checkpoints["llama"]),
+                               timeout_s=3.0)
     wrong = dataclasses.replace(good, auth_token="a-different-cluster-token-987654")
     app = build_application(cfg, tiny_checkpoints["llama"], good, wrong, token)
     yield served_apps.run_app("fallback", app)

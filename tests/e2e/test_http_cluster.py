@@ -18,6 +18,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
+from tests.support.metrics import metric_value
 from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
@@ -327,14 +328,6 @@ def test_prompt_too_long_message_names_both_numbers(served_apps: ServedApps) -> 
     assert r.status_code == 400
     numbers = [int(n) for n in re.findall(r"\d+", r.json()["error"]["message"])]
     assert len([n for n in numbers if n > 1000]) >= 2
-
-
-def metric_value(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith("#"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_repeated_prefix_hits_cache_and_metrics(served_apps: ServedApps) -> None:

@@ -18,6 +18,7 @@ from pdserve.engine.checkpoint import INDEX_FILE, SINGLE_FILE, load_model
 from pdserve.engine.errors import CheckpointError, UnsupportedArchitectureError
 from pdserve.engine.kv_cache import (
     allocate_kv_cache,
+    kv_bytes_per_token,
     kv_cache_bytes,
     kv_layout_for,
     max_model_len_for,
@@ -200,6 +201,9 @@ def test_kv_cache_helpers(tiny_checkpoints: dict[str, str]) -> None:
     assert num_kv_blocks_for(layout, None, gib) == 10
     assert num_kv_blocks_for(layout, 3, gib) == 3
     assert num_kv_blocks_for(layout, None, 1e-12) == 1  # at least one block
+    # One token's K and V in every layer: a block's worth over its tokens.
+    assert kv_bytes_per_token(config, "bfloat16") * 10 * 16 == kv_cache_bytes(layout, 10)
+    assert kv_bytes_per_token(config, "float32") == 2 * kv_bytes_per_token(config, "bfloat16")
     longest = config.max_position_embeddings
     assert max_model_len_for(config, None) == longest
     assert max_model_len_for(config, 100) == 100

@@ -1,12 +1,11 @@
 """Logits of pdserve's paged CausalLM equal transformers' full forward on the same checkpoints.
 
 Covers whole prompts in one step, chunked prompts then decode steps through shuffled blocks, the
-layer hook's timing, and the GPU flash-attn backend against the torch backend (GPU only).
+layer hook's timing, and every CUDA backend (flash-attn, Triton, torch) against the torch
+backend and transformers (GPU only).
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 from pdserve.engine.attention import AttentionMetadata, TorchAttentionBackend
 from pdserve.engine.checkpoint import load_model
 from pdserve.engine.models import CausalLM
+from tests.engine.paged_runs import garbage_cache, run_schedule, run_step, shuffled_block_tables
 
 LENGTHS = [1, 7, 33, 100]
 TOLERANCE = 1e-4
@@ -51,51 +51,6 @@ def reference_logits(
         return [models[1](p[None]).logits[0].float() for p in prompts]
 
 
-def garbage_cache(model: CausalLM, num_blocks: int, block_size: int) -> torch.Tensor:
-    """Large finite noise: reading any slot that was not written would swamp the attention."""
-    c = model.config
-    shape = (c.num_layers, 2, num_blocks, block_size, c.num_kv_heads, c.head_dim)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 100
-
-
-def shuffled_block_tables(
-    lengths: list[int], block_size: int, seed: int
-) -> tuple[list[list[int]], int]:
-    """Non-contiguous, shuffled block ids for each sequence, from a pool with spare blocks."""
-    needed = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(needed) + 7
-    ids = list(range(num_blocks))
-    random.Random(seed).shuffle(ids)
-    tables, start = [], 0
-    for n in needed:
-        tables.append(ids[start : start + n])
-        start += n
-    return tables, num_blocks
-
-
-def run_step(
-    model: CausalLM,
-    cache: torch.Tensor,
-    prompts: list[torch.Tensor],
-    spans: list[tuple[int, int, int]],
-    tables: list[list[int]],
-    block_size: int,
-) -> list[torch.Tensor]:
-    """One forward over spans (seq index, start, stop); returns each span's logits."""
-    metadata = AttentionMetadata.build(
-        query_lens=[stop - start for _, start, stop in spans],
-        seq_lens=[stop for _, _, stop in spans],
-        block_tables=[tables[s][: -(-stop // block_size)] for s, _, stop in spans],
-        block_size=block_size,
-        device=prompts[0].device,
-    )
-    device = prompts[0].device
-    input_ids = torch.cat([prompts[s][start:stop] for s, start, stop in spans])
-    positions = torch.cat([torch.arange(start, stop, device=device) for _, start, stop in spans])
-    logits = model.compute_logits(model(input_ids, positions, cache, metadata))
-    return list(logits.split([stop - start for _, start, stop in spans]))
-
-
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_whole_prompts_in_one_step(models, prompts, reference_logits, block_size: int) -> None:
     model = models[0]
@@ -107,48 +62,6 @@ def test_whole_prompts_in_one_step(models, prompts, reference_logits, block_size
     ):
         diff = (logits - reference_logits[s]).abs().max().item()
         assert diff <= TOLERANCE, f"sequence of {LENGTHS[s]} tokens: max |logit diff| {diff:.2e}"
-
-
-def chunk_schedule(length: int, block_size: int, num_decode: int = 3) -> list[int]:
-    """Chunk sizes: a prefix that ends mid-block, the rest of the prompt, then single tokens."""
-    if length <= num_decode + 1:
-        return [1] * length
-    first = max(1, (length - num_decode) // 2)
-    if first % block_size == 0:
-        first += 1  # make the first chunk end inside a block
-    rest = length - num_decode - first
-    return [first] + ([rest] if rest else []) + [1] * num_decode
-
-
-def run_schedule(
-    model: CausalLM,
-    cache: torch.Tensor,
-    prompts: list[torch.Tensor],
-    tables: list[list[int]],
-    block_size: int,
-) -> tuple[list[torch.Tensor], bool]:
-    """Feed every prompt by `chunk_schedule`, all sequences stepping together.
-
-    Returns each sequence's logits for all its positions, and whether some step mixed
-    single-token rows with multi-token chunks.
-    """
-    schedules = [chunk_schedule(len(p), block_size) for p in prompts]
-    done = [0] * len(prompts)
-    collected: list[list[torch.Tensor]] = [[] for _ in prompts]
-    saw_mixed_batch = False
-    for step in range(max(len(s) for s in schedules)):
-        spans = [
-            (s, done[s], done[s] + sched[step])
-            for s, sched in enumerate(schedules)
-            if step < len(sched)
-        ]
-        sizes = {stop - start for _, start, stop in spans}
-        saw_mixed_batch |= 1 in sizes and len(sizes) > 1
-        step_logits = run_step(model, cache, prompts, spans, tables, block_size)
-        for (s, _, stop), logits in zip(spans, step_logits, strict=True):
-            collected[s].append(logits)
-            done[s] = stop
-    return [torch.cat(pieces) for pieces in collected], saw_mixed_batch
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -251,23 +164,48 @@ def _flash_available() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not _flash_available(), reason="needs a CUDA GPU with flash-attn installed")
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_flash_backend_matches_torch_backend(
-    tiny_checkpoints: dict[str, str], block_size: int
-) -> None:
-    from pdserve.engine.attention.flash_backend import FlashAttentionBackend
+def _cuda_backends() -> list[str]:
+    """The CUDA backends this machine can run besides torch."""
+    if not torch.cuda.is_available():
+        return []
+    names = []
+    if _flash_available() and torch.cuda.get_device_capability() >= (8, 0):
+        names.append("flash-attn")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return names
+    return [*names, "triton"]
 
-    model, config = load_model(tiny_checkpoints["llama"], torch.bfloat16, "cuda")
-    assert isinstance(model.attention_backend, FlashAttentionBackend)
+
+def _make_backend(name: str):
+    if name == "flash-attn":
+        from pdserve.engine.attention.flash_backend import FlashAttentionBackend
+
+        return FlashAttentionBackend()
+    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_backends(), reason="needs a CUDA GPU with flash-attn or Triton")
+@pytest.mark.parametrize(("name", "block_size"), [("flash-attn", 256), ("triton", 16),
+                                                  ("triton", 256)])
+def test_cuda_backend_matches_torch_backend(
+    tiny_checkpoints: dict[str, str], name: str, block_size: int
+) -> None:
+    if name not in _cuda_backends():
+        pytest.skip(f"{name} is not usable on this GPU")
+    model, config = load_model(tiny_checkpoints["llama"], torch.bfloat16, "cuda",
+                               block_size=block_size)
     generator = torch.Generator().manual_seed(1)
     prompts = [
         torch.randint(0, config.vocab_size, (n,), generator=generator).cuda() for n in LENGTHS
     ]
     tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=2)
     results = []
-    for backend in (FlashAttentionBackend(), TorchAttentionBackend()):
+    for backend in (_make_backend(name), TorchAttentionBackend()):
         model.attention_backend = backend
         cache = torch.zeros(
             config.num_layers,
@@ -286,23 +224,25 @@ def test_flash_backend_matches_torch_backend(
     assert (results[0].argmax(-1) == results[1].argmax(-1)).float().mean().item() > 0.98
 
 
-def test_backend_selection_without_gpu_or_flash_attn() -> None:
+def test_backend_selection_on_cpu_is_torch() -> None:
     from pdserve.engine.attention import select_attention_backend
 
-    assert isinstance(select_attention_backend("cpu"), TorchAttentionBackend)
-    # flash-attn never runs float32, so CUDA + float32 picks torch without touching a GPU.
-    assert isinstance(select_attention_backend("cuda", torch.float32), TorchAttentionBackend)
-    if not _flash_available():
-        assert isinstance(select_attention_backend("cuda", torch.bfloat16), TorchAttentionBackend)
+    choice = select_attention_backend("cpu", torch.float32, 16)
+    assert isinstance(choice.backend, TorchAttentionBackend)
+    assert "cpu" in choice.reason
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_torch_backend_on_cuda_matches_transformers(tiny_checkpoints: dict[str, str]) -> None:
+@pytest.mark.parametrize("name", ["torch", "triton"])
+def test_cuda_backends_in_float32_match_transformers(tiny_checkpoints: dict[str, str],
+                                                     name: str) -> None:
     from transformers import AutoModelForCausalLM
 
+    if name == "triton" and "triton" not in _cuda_backends():
+        pytest.skip("Triton is not installed")
     model, config = load_model(tiny_checkpoints["qwen2"], torch.float32, "cuda")
-    assert isinstance(model.attention_backend, TorchAttentionBackend)
+    model.attention_backend = TorchAttentionBackend() if name == "torch" else _make_backend(name)
     reference = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen2"], dtype=torch.float32)
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator) for n in LENGTHS]
@@ -314,3 +254,22 @@ def test_torch_backend_on_cuda_matches_transformers(tiny_checkpoints: dict[str, 
     logits, _ = run_schedule(model, cache, [p.cuda() for p in prompts], tables, block_size)
     for got, want in zip(logits, expected, strict=True):
         assert (got.cpu() - want).abs().max().item() < 1e-3  # TF32 or kernel order may differ
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_torch_backend_on_cuda_never_needs_the_math_kernel(
+        tiny_checkpoints: dict[str, str]) -> None:
+    """Prompt chunks after a cached prefix (masked) with GQA: SDPA must find a fused kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, config = load_model(tiny_checkpoints["qwen2"], torch.bfloat16, "cuda")
+    model.attention_backend = TorchAttentionBackend()
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).cuda()
+               for n in LENGTHS]
+    tables, num_blocks = shuffled_block_tables(LENGTHS, 16, seed=3)
+    cache = garbage_cache(model, num_blocks, 16).to(torch.bfloat16).cuda()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        logits, _ = run_schedule(model, cache, prompts, tables, 16)  # raises if only math fits
+    assert all(torch.isfinite(x).all() for x in logits)

@@ -54,13 +54,30 @@ def test_layers_out_of_order_or_a_fence_too_early_fail_the_transfer_not_the_engi
     assert not early.request_fence() and "after 1 of 4 layers" in str(early.error)
 
 
-def test_full_staging_fails_the_transfer_with_a_capacity_error() -> None:
-    cache = torch.zeros(LAYOUT.cache_shape(8), dtype=LAYOUT.torch_dtype)
+def test_full_staging_defers_pieces_which_gather_later_to_the_same_bytes() -> None:
+    """Backpressure, not failure: a piece that finds staging full (and every piece after it,
+    even once room appeared) is handed over deferred, then gathered whole from the source
+    blocks into the same bytes and digest a direct gather gives."""
+    cache = torch.randn(LAYOUT.cache_shape(8)).to(LAYOUT.torch_dtype)
+    rows = cache_rows(cache, LAYOUT)
     starved = transfer(pool_bytes=64 << 10, layers_per_piece=1)
     held = starved.pool.try_acquire(64 << 10)
     assert held is not None
-    assert starved.gather_layer(cache, 0, cache_rows(cache, LAYOUT)) == []
-    assert starved.error is not None and starved.error.code == "capacity"
+    first = starved.gather_layer(cache, 0, rows)
+    starved.pool.release(held)  # room again, yet later pieces stay behind the deferred one
+    later = [starved.gather_layer(cache, layer, rows) for layer in range(1, 4)]
+    deferred = first + [p for pieces in later for p in pieces]
+    assert [type(p).__name__ for p in deferred] == ["DeferredPiece"] * 4
+    assert starved.error is None and starved.request_fence()
+    direct = transfer(layers_per_piece=1)
+    expected = [direct.gather_layer(cache, layer, rows)[0] for layer in range(4)]
+    for piece, want in zip(deferred, expected, strict=True):
+        buffer = starved.pool.try_acquire(piece.spec.nbytes(LAYOUT))
+        assert buffer is not None
+        gathered = starved.gather_piece(piece, buffer)
+        assert torch.equal(gathered.payload, want.payload)
+        assert gathered.digest == want.digest
+        starved.pool.release(buffer)
 
 
 def test_release_waits_for_the_pump_every_send_and_a_known_outcome() -> None:

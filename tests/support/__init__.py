@@ -1,3 +1,4 @@
 """Helpers the test folders share: waiting on a condition, processes and their sockets, the
-session's local Ray and Serve, and `pdserve serve` run as a process. One copy of each.
+session's local Ray and Serve, `pdserve serve` run as a process, and /metrics read back. One
+copy of each.
 """

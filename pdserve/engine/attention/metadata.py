@@ -6,6 +6,7 @@ Built once per forward step by the model runner; read by every layer's attention
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,21 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
-        """Derive the tensors from per-sequence lengths and block ids.
+        """Derive the tensors from per-sequence lengths and block ids."""
+        return cls.build_with(query_lens, seq_lens, block_tables, block_size, device)[0]
+
+    @classmethod
+    def build_with(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str,
+        extra: Sequence[list[int]] = (),
+    ) -> tuple[AttentionMetadata, list[torch.Tensor]]:
+        """`build`, plus ``extra`` int lists (the step's token ids, positions...) as int64
+        tensors on ``device``, all crossing to a GPU in one copy (`upload_int_lists`).
 
         Plain Python, then one tensor per field: at decode batch sizes the few hundred list
         operations cost less than the index arithmetic as tensor ops (a thread-pool round
@@ -58,24 +73,34 @@ class AttentionMetadata:
         _validate(query_lens, seq_lens, block_tables, block_size)
         max_blocks = max(len(row) for row in block_tables)
         starts = [0, *itertools.accumulate(query_lens)]
-        return cls(
+        table = [b for row in block_tables
+                 for b in row + [BLOCK_TABLE_PAD] * (max_blocks - len(row))]
+        slots = _slots(query_lens, seq_lens, block_tables, block_size)
+        starts_t, seq_lens_t, table_t, slots_t, *rest = upload_int_lists(
+            [starts, seq_lens, table, slots, *extra], device)
+        metadata = cls(
             query_lens=list(query_lens),
             seq_lens=list(seq_lens),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(
-                [row + [BLOCK_TABLE_PAD] * (max_blocks - len(row)) for row in block_tables],
-                dtype=torch.int32,
-                device=device,
-            ),
-            slot_mapping=torch.tensor(
-                _slots(query_lens, seq_lens, block_tables, block_size),
-                dtype=torch.int64,
-                device=device,
-            ),
+            query_start_loc=starts_t.to(torch.int32),
+            seq_lens_tensor=seq_lens_t.to(torch.int32),
+            block_tables=table_t.to(torch.int32).view(len(block_tables), max_blocks),
+            slot_mapping=slots_t,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
+        return metadata, rest
+
+
+def upload_int_lists(lists: Sequence[list[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """Each list as an int64 tensor on ``device``. CUDA: one pinned host buffer and one
+    non-blocking copy for all of them (seven small blocking copies a step would each wait for
+    the stream), then views of the device buffer."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return [torch.tensor(values, dtype=torch.int64) for values in lists]
+    sizes = [len(values) for values in lists]
+    host = torch.tensor([v for values in lists for v in values], dtype=torch.int64).pin_memory()
+    return list(host.to(device, non_blocking=True).split(sizes))
 
 
 def _slots(

@@ -270,13 +270,17 @@ def _attend_prefill(
         _gather(keys, chunk.block_ids)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
     )  # [1, KVH, L, D]
     v = _gather(values, chunk.block_ids)[: chunk.seq_len].transpose(0, 1).unsqueeze(0)
+    q = query.transpose(0, 1).unsqueeze(0)
+    gqa = True
+    if query.is_cuda and chunk.mask is not None and k.shape[1] != q.shape[1]:
+        # CUDA SDPA's flash and memory-efficient kernels take no mask together with
+        # enable_gqa: it would drop to the math kernel (full fp32 score matrices). Repeating
+        # K/V to the head count keeps the memory-efficient kernel.
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        gqa = False
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1).unsqueeze(0),
-        k,
-        v,
-        attn_mask=chunk.mask,
-        is_causal=chunk.mask is None,
-        scale=scale,
-        enable_gqa=True,
+        q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale,
+        enable_gqa=gqa,
     )
     return out.squeeze(0).transpose(0, 1)

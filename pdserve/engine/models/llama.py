@@ -96,11 +96,13 @@ class CausalLM(nn.Module):
     """
 
     def __init__(
-        self, config: ModelConfig, attention_backend: AttentionBackend | None = None
+        self, config: ModelConfig, attention_backend: AttentionBackend | None = None,
+        attention_reason: str = "the default",
     ) -> None:
         super().__init__()
         self.config = config
         self.attention_backend = attention_backend or TorchAttentionBackend()
+        self.attention_reason = attention_reason  # why this backend: start-up lines say it
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

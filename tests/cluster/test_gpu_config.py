@@ -1,0 +1,68 @@
+"""GPU settings in the config: what the engine and handoff get from them (the KV cache sized from
+the GPU, staging from the model), and what is refused before anything starts (with why)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.cluster.app import handoff_config
+from pdserve.cluster.config import ConfigError, load_config, parse_config
+from pdserve.cluster.config_sections import MIN_STAGING_BYTES, default_staging_bytes
+from pdserve.engine.kv_cache import kv_bytes_per_token
+from pdserve.engine.model_config import ModelConfig
+from tests.cluster.test_config import config_with
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "a-cluster-token-0123456789"
+
+
+def test_more_than_one_gpu_per_replica_is_refused_saying_why() -> None:
+    with pytest.raises(ConfigError, match="tensor parallelism is not implemented"):
+        parse_config(config_with(roles__decode__resources__num_gpus=2))
+
+
+def test_gpu_memory_utilization_outside_its_range_is_refused() -> None:
+    for bad in (0, 1.5):
+        with pytest.raises(ConfigError, match="gpu_memory_utilization"):
+            parse_config(config_with(engine__gpu_memory_utilization=bad))
+
+
+def test_the_staging_default_is_one_steps_kv_with_a_floor() -> None:
+    assert default_staging_bytes(128 << 10, 2048) == 256 << 20  # Llama-3-8B, bf16
+    assert default_staging_bytes(768, 1024) == MIN_STAGING_BYTES  # 768 KiB: the floor
+
+
+def test_staging_defaults_to_the_models_step_and_colocated_has_none(
+        tiny_checkpoints: dict[str, str]) -> None:
+    path = tiny_checkpoints["llama"]
+    cfg = parse_config(config_with(handoff__staging_buffer_mb=None,
+                                   engine__max_num_batched_tokens=4096))
+    step_kv = kv_bytes_per_token(ModelConfig.from_checkpoint(path), "float32") * 4096
+    assert step_kv > MIN_STAGING_BYTES  # else the floor, not the model, would decide
+    engine = cfg.to_engine_config(path)
+    assert engine.handoff_staging_bytes == step_kv
+    built = handoff_config(cfg, TOKEN, path)
+    assert built.sender_staging_bytes == built.receiver_staging_bytes == step_kv
+    colocated = parse_config(config_with(mode="colocated", roles__prefill=None,
+                                         handoff__staging_buffer_mb=None))
+    assert colocated.to_engine_config(path).handoff_staging_bytes == 0
+    small = parse_config(config_with(handoff__staging_buffer_mb=0.25))
+    assert small.to_engine_config("/no/checkpoint").handoff_staging_bytes == 256 << 10
+    assert handoff_config(small, TOKEN, "/no/checkpoint").max_piece_bytes == 256 << 10
+
+
+def test_the_kv_cache_is_sized_from_the_gpu_unless_a_size_is_given() -> None:
+    measured = parse_config(config_with(handoff__staging_buffer_mb=1))
+    assert measured.to_engine_config("/m").gpu_memory_utilization == 0.9
+    for size in ({"num_kv_blocks": 8}, {"kv_cache_memory_gb": 2.0}):
+        sized = parse_config(config_with(handoff__staging_buffer_mb=1, engine=size))
+        assert sized.to_engine_config("/m").gpu_memory_utilization is None
+
+
+def test_the_gpu_example_asks_for_one_gpu_per_replica_and_sizes_kv_from_the_gpu() -> None:
+    cfg = load_config(ROOT / "configs" / "gpu-example.yaml")
+    assert cfg.engine.num_kv_blocks is None and cfg.engine.kv_cache_memory_gb is None
+    assert cfg.engine.gpu_memory_utilization == 0.9
+    assert all(role.resources.num_gpus == 1 for role in cfg.role_configs().values())

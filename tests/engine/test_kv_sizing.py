@@ -1,0 +1,58 @@
+"""The KV cache's size as a GPU worker computes it, from memory figures given here (what
+torch.cuda would report), and from a configured size; the staging default it sets aside."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.kv_cache import GIB
+from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_sizing import DeviceMemory, kv_budget_from_memory, kv_budget_from_size
+
+# Llama-3-8B's cache: 32 layers, 8 KV heads of 128, bf16: 128 KiB per token.
+LLAMA3_8B = KVLayout("fp", "bfloat16", block_size=16, num_layers=32, num_kv_heads=8,
+                     head_dim=128)
+# Qwen2.5-7B (configs/gpu-example.yaml): 28 layers, 4 KV heads of 128, bf16: 56 KiB per token.
+QWEN25_7B = KVLayout("fp", "bfloat16", block_size=16, num_layers=28, num_kv_heads=4,
+                     head_dim=128)
+
+
+def test_kv_gets_the_fraction_left_after_use_peak_activations_and_staging() -> None:
+    memory = DeviceMemory(total_bytes=80 * GIB, free_bytes=64 * GIB,
+                          peak_activation_bytes=2 * GIB)
+    budget = kv_budget_from_memory(LLAMA3_8B, memory, 0.9, staging_bytes=256 << 20)
+    left = int(80 * GIB * 0.9) - 16 * GIB - 2 * GIB - (256 << 20)
+    per_block = 32 * LLAMA3_8B.block_bytes
+    assert budget.num_blocks == left // per_block
+    assert budget.kv_bytes == budget.num_blocks * per_block <= left
+    assert "16.00 GiB in use" in budget.reason and "0.25 GiB staging" in budget.reason
+    # More utilization, more blocks; a larger staging comes out of the cache.
+    assert kv_budget_from_memory(LLAMA3_8B, memory, 0.95, 256 << 20).num_blocks > budget.num_blocks
+    assert kv_budget_from_memory(LLAMA3_8B, memory, 0.9, 1 << 30).num_blocks < budget.num_blocks
+
+
+def test_no_room_is_refused_with_every_figure() -> None:
+    memory = DeviceMemory(total_bytes=24 * GIB, free_bytes=2 * GIB, peak_activation_bytes=GIB)
+    with pytest.raises(InvalidRequestError, match="no room for the KV cache.*22.00 GiB in use"):
+        kv_budget_from_memory(LLAMA3_8B, memory, 0.9, 0)
+
+
+def test_the_gpu_example_fits_an_a10g_with_room_for_its_longest_request() -> None:
+    """configs/gpu-example.yaml on cluster/aws-gpu.yaml's g5.2xlarge: a 24 GB A10G reports
+    ~22.5 GiB; bf16 Qwen2.5-7B weights take ~14.2 GiB plus ~0.5 GiB of CUDA context."""
+    memory = DeviceMemory(total_bytes=int(22.5 * GIB), free_bytes=int(22.5 * GIB) - int(14.7 * GIB),
+                          peak_activation_bytes=int(1.0 * GIB))
+    staging = (56 << 10) * 4096  # the staging default: one 4,096-token step's KV
+    budget = kv_budget_from_memory(QWEN25_7B, memory, 0.9, staging)
+    tokens = budget.num_blocks * QWEN25_7B.block_size
+    assert tokens >= 4 * 8192  # several requests at max_model_len
+
+
+def test_a_configured_size_is_a_block_count_or_memory_turned_into_blocks() -> None:
+    per_block = 32 * LLAMA3_8B.block_bytes
+    by_count = kv_budget_from_size(LLAMA3_8B, 100, 0.5)
+    assert (by_count.num_blocks, by_count.kv_bytes) == (100, 100 * per_block)
+    assert "num_kv_blocks" in by_count.reason
+    by_memory = kv_budget_from_size(LLAMA3_8B, None, 1.0)
+    assert by_memory.num_blocks == GIB // per_block and "1 GiB" in by_memory.reason
