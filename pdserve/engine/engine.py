@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_cache import (
@@ -24,8 +22,9 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.memory_profile import describe_engine, plan_kv_cache
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.random_draws import DrawKey
 from pdserve.engine.request import Request, RequestMode, RequestStatus
-from pdserve.engine.sampler import TokenLogprobs, make_generator
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.stop_strings import TextStream
@@ -88,8 +87,7 @@ class _Tracked:
     """Per-request engine-side state the scheduler does not own."""
 
     stream: TextStream
-    generator: torch.Generator | None
-    base_seed: int = 0
+    draw_seed: int  # the request's seed, else a random one: keys its draws (`random_draws`)
     num_reported: int = 0
     added_at: float = field(default_factory=time.monotonic)
     first_scheduled_at: float | None = None
@@ -212,13 +210,8 @@ class LLMEngine:
         if not output.chunks:
             return []
         hook = None if layer_hook is None else (lambda layer: layer_hook(layer, output))
-        self._note_scheduled(output)
-        result = self.runner.execute(
-            output,
-            self.kv_manager.block_ids,
-            {rid: t.generator for rid, t in self._tracked.items()},
-            hook,
-        )
+        draws = self._note_scheduled(output)
+        result = self.runner.execute(output, self.kv_manager.block_ids, draws, hook)
         self.stats.num_steps += 1
         self.stats.num_tokens_computed += result.num_tokens_computed
         self.stats.num_preemptions += len(output.preempted_request_ids)
@@ -269,19 +262,24 @@ class LLMEngine:
         return [tokens[rid] for rid in ids]
 
     # ---- internals -----------------------------------------------------------------------
-    def _note_scheduled(self, output: SchedulerOutput) -> None:
+    def _note_scheduled(self, output: SchedulerOutput) -> dict[str, DrawKey]:
         """Stamps first-schedule times, and keys each random draw to (seed, output index), not
         to a generator's history, so the prefill worker's first token and the decode worker's
         later ones (or a recompute after a failed handoff) come out exactly as one engine
-        alone would draw them."""
+        alone would draw them. Returns the keys of the chunks that sample at random."""
         now = time.monotonic()
+        draws: dict[str, DrawKey] = {}
         for chunk in output.chunks:
-            tracked = self._tracked.get(chunk.request.request_id)
-            if tracked is not None and tracked.first_scheduled_at is None:
+            request = chunk.request
+            tracked = self._tracked.get(request.request_id)
+            if tracked is None:
+                continue
+            if tracked.first_scheduled_at is None:
                 tracked.first_scheduled_at = now
-            if chunk.samples and tracked is not None and tracked.generator is not None:
-                index = len(chunk.request.output_token_ids)
-                tracked.generator.manual_seed((tracked.base_seed * 1_000_003 + index) % 2**63)
+            if chunk.samples and not request.sampling_params.is_greedy:
+                draws[request.request_id] = DrawKey(tracked.draw_seed,
+                                                    len(request.output_token_ids))
+        return draws
 
     def _make_request(
         self,
@@ -314,11 +312,9 @@ class LLMEngine:
 
     def _track(self, request: Request) -> _Tracked:
         params = request.sampling_params
-        base_seed = params.seed if params.seed is not None else random.getrandbits(63)
         tracked = _Tracked(
             stream=TextStream.create(self.tokenizer, params.stop),
-            generator=None if params.is_greedy else make_generator(base_seed, self.device),
-            base_seed=base_seed,
+            draw_seed=params.seed if params.seed is not None else random.getrandbits(64),
         )
         self._tracked[request.request_id] = tracked
         return tracked

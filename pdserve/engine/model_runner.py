@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.random_draws import DrawKey, draw_bits, uniforms_from_bits
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, TokenLogprobs
 from pdserve.engine.scheduler import SchedulerOutput
@@ -33,6 +34,7 @@ class BatchInputs:
     attn_metadata: AttentionMetadata
     sample_rows: torch.Tensor  # index into the flattened tokens of each sampling chunk's last token
     sample_requests: list[Request]
+    sample_uniforms: torch.Tensor  # float32, each sampling chunk's draw (`random_draws`)
 
 
 class ModelRunner:
@@ -48,8 +50,13 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def prepare(
-        self, output: SchedulerOutput, block_ids_of: Callable[[str], list[int]]
+        self,
+        output: SchedulerOutput,
+        block_ids_of: Callable[[str], list[int]],
+        draws: Mapping[str, DrawKey],
     ) -> BatchInputs:
+        """The step's inputs as device tensors, crossing to a GPU in one copy; ``draws``: the
+        key of every chunk that samples at random (greedy ones have none)."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -72,9 +79,10 @@ class ModelRunner:
             if chunk.samples:
                 sample_rows.append(len(token_ids) - 1)
                 sample_requests.append(request)
-        metadata, (input_ids, positions_t, sample_rows_t) = AttentionMetadata.build_with(
+        bits = draw_bits([draws.get(r.request_id) for r in sample_requests])
+        metadata, (input_ids, positions_t, sample_rows_t, bits_t) = AttentionMetadata.build_with(
             query_lens, seq_lens, block_tables, self.block_size, self.device,
-            extra=(token_ids, positions, sample_rows),
+            extra=(token_ids, positions, sample_rows, bits),
         )
         return BatchInputs(
             input_ids=input_ids,
@@ -82,6 +90,7 @@ class ModelRunner:
             attn_metadata=metadata,
             sample_rows=sample_rows_t,
             sample_requests=sample_requests,
+            sample_uniforms=uniforms_from_bits(bits_t),
         )
 
     @torch.inference_mode()
@@ -89,10 +98,10 @@ class ModelRunner:
         self,
         output: SchedulerOutput,
         block_ids_of: Callable[[str], list[int]],
-        generators: Mapping[str, torch.Generator | None],
+        draws: Mapping[str, DrawKey],
         layer_hook: Callable[[int], None] | None = None,
     ) -> StepResult:
-        batch = self.prepare(output, block_ids_of)
+        batch = self.prepare(output, block_ids_of, draws)
         hidden = self.model(
             batch.input_ids, batch.positions, self.kv_cache, batch.attn_metadata, layer_hook
         )
@@ -106,7 +115,7 @@ class ModelRunner:
         sampled = self.sampler.sample(
             logits,
             [r.sampling_params for r in requests],
-            [generators.get(r.request_id) for r in requests],
+            batch.sample_uniforms,
             [r.output_token_ids for r in requests],
         )
         ids = [r.request_id for r in requests]

@@ -1,6 +1,7 @@
 """Turns one logits row per sampling request into a token: greedy, or temperature/top-k/top-p.
 
-Seeded rows draw only from their own generator, so a seed reproduces in any batch.
+A random row inverts its distribution's CDF at its own uniform (`random_draws`: a function of
+the request's seed and the output index), so a seed reproduces in any batch, on either role.
 """
 
 from __future__ import annotations
@@ -30,15 +31,6 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None
 
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A generator for a seeded request (None: draw from the global RNG)."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed % 2**64)  # negative seeds are valid SamplingParams
-    return generator
-
-
 class Sampler:
     """Stateless; one call per step over the rows that sample."""
 
@@ -46,15 +38,18 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        uniforms: torch.Tensor,
         output_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
-        """``logits``: float [N, V]; ``params``/``generators``: one per row; ``output_ids``:
-        each row's tokens generated so far (what penalties count; None: none yet)."""
-        if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+        """``logits``: float [N, V]; ``params``: one per row; ``uniforms``: float32 [N] in
+        [0, 1) on the logits' device, each row's draw (`random_draws`; greedy rows ignore
+        theirs); ``output_ids``: each row's tokens generated so far (what penalties count;
+        None: none yet)."""
+        if (logits.dim() != 2 or logits.shape[0] != len(params)
+                or tuple(uniforms.shape) != (len(params),)):
             raise ValueError(
                 f"sample: logits {tuple(logits.shape)} needs one row per params "
-                f"({len(params)}) and generator ({len(generators)})"
+                f"({len(params)}) and uniform {tuple(uniforms.shape)}"
             )
         if all(p.is_plain_greedy for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
@@ -66,39 +61,33 @@ class Sampler:
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
             rows = torch.tensor(random_rows, device=logits.device)
-            drawn = self._draw(
-                logits.index_select(0, rows),
-                [params[i] for i in random_rows],
-                [generators[i] for i in random_rows],
-            )
+            drawn = _draw(logits.index_select(0, rows), [params[i] for i in random_rows],
+                          uniforms.index_select(0, rows))
             token_ids = token_ids.index_copy(0, rows, drawn)
         token_list = token_ids.tolist()
         return SamplerOutput(token_list, _logprobs(raw, params, token_list))
 
-    def _draw(
-        self,
-        logits: torch.Tensor,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-    ) -> torch.Tensor:
-        temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temperatures.unsqueeze(1)
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = _apply_top_k_top_p(logits, params)
-        probs = torch.softmax(logits, dim=-1)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) draws from p. Each
-        # seeded row fills its own noise from its own generator, independent of the batch.
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(
-                len(unseeded), probs.shape[1], device=probs.device
-            ).exponential_()
-        for i, generator in enumerate(generators):
-            if generator is not None:
-                noise[i].exponential_(generator=generator)
-        # A zero draw would make 0/0 = NaN for a masked token, and argmax prefers NaN.
-        return (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)
+
+def _draw(logits: torch.Tensor, params: list[SamplingParams],
+          uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling, every row at once: the first token whose running probability
+    exceeds the row's uniform (scaled by the row's total, which rounding keeps near 1).
+
+    One random number per row, where a Gumbel race needs one per vocabulary entry. A token
+    of probability 0 (top-k, top-p, a -100 bias) adds nothing to the running sum, so the
+    search never lands on it; each token's share of [0, total) is its probability up to one
+    float32 rounding of the sum."""
+    temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temperatures.unsqueeze(1)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        logits = _apply_top_k_top_p(logits, params)
+    cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the search stops inside the row even when u * total rounds
+    # up to it.
+    targets = torch.minimum(uniforms.unsqueeze(1) * total,
+                            torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, targets, right=True).squeeze(1)
 
 
 def _penalize_and_bias(logits: torch.Tensor, params: list[SamplingParams],

@@ -17,7 +17,7 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
-# torch.Generator.manual_seed accepts exactly this range.
+# Seeds as torch takes them (signed or unsigned 64-bit); draws use them modulo 2**64.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 

@@ -1,4 +1,5 @@
-"""Sampler tests: greedy, seeded reproducibility across batches, top-k/top-p, logprobs.
+"""Sampler tests: greedy, seeded reproducibility across batches, the drawn distribution against
+the softmax (with temperature, top-k, top-p), logprobs, penalties.
 
 Also the SamplingParams validation that guards the sampler's inputs.
 """
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.sampler import Sampler, make_generator
+from pdserve.engine.random_draws import DrawKey, draw_uniforms
+from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
 
 VOCAB = 64
@@ -22,15 +24,25 @@ def _logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
 
 
+def _keys(*keys: tuple[int, int] | None) -> torch.Tensor:
+    """Uniforms for rows keyed (seed, output index); None: a row that draws nothing."""
+    return draw_uniforms([None if k is None else DrawKey(*k) for k in keys], "cpu")
+
+
+def _none(rows: int) -> torch.Tensor:
+    return torch.zeros(rows)
+
+
 def _draws(row: torch.Tensor, params: SamplingParams, seed: int, steps: int = 8) -> list[int]:
-    """One request's tokens over several steps, sampled alone."""
-    sampler, generator = Sampler(), make_generator(seed, "cpu")
-    return [sampler.sample(row[None], [params], [generator]).token_ids[0] for _ in range(steps)]
+    """One request's tokens over several steps (output indices 0..steps-1), sampled alone."""
+    sampler = Sampler()
+    return [sampler.sample(row[None], [params], _keys((seed, step))).token_ids[0]
+            for step in range(steps)]
 
 
 def test_greedy_is_argmax() -> None:
     logits = _logits(5)
-    out = Sampler().sample(logits, [SamplingParams(temperature=0)] * 5, [None] * 5)
+    out = Sampler().sample(logits, [SamplingParams(temperature=0)] * 5, _none(5))
     assert out.token_ids == logits.argmax(dim=-1).tolist() and out.logprobs is None
 
 
@@ -38,19 +50,33 @@ def test_seed_reproduces_regardless_of_batch_position_and_neighbours() -> None:
     logits = _logits(4)
     params = SamplingParams(temperature=1.0, seed=1234)
     alone = _draws(logits[2], params, seed=1234)
-    # Same request at row 0 of a batch full of other (seeded and unseeded) requests.
+    # Same request at row 0, then row 2, of batches of other (seeded, unseeded, greedy,
+    # top-k) requests: other rows' keys and parameters change nothing of its draws.
     sampler = Sampler()
-    gens = [make_generator(1234, "cpu"), None, make_generator(5, "cpu"), None]
-    neighbours = [
-        params,
-        SamplingParams(temperature=0.7),
-        SamplingParams(seed=5, top_k=3),
-        SamplingParams(temperature=0),
-    ]
-    batch = torch.stack([logits[2], logits[0], logits[1], logits[3]])
-    in_batch = [sampler.sample(batch, neighbours, gens).token_ids[0] for _ in range(8)]
-    assert in_batch == alone
+    neighbours = [SamplingParams(temperature=0.7), SamplingParams(seed=5, top_k=3),
+                  SamplingParams(temperature=0)]
+    first, second = [], []
+    for step in range(8):
+        batch = torch.stack([logits[2], logits[0], logits[1], logits[3]])
+        keys = _keys((1234, step), (99, step + 3), (5, step), None)
+        first.append(sampler.sample(batch, [params, *neighbours], keys).token_ids[0])
+        batch = torch.stack([logits[0], logits[3], logits[2]])
+        keys = _keys((7, 0), None, (1234, step))
+        second.append(sampler.sample(batch, [neighbours[0], neighbours[2], params],
+                                     keys).token_ids[2])
+    assert first == second == alone
     assert len(set(alone)) > 1  # really sampling, not argmax
+
+
+def test_a_draw_depends_on_its_output_index_not_on_earlier_draws() -> None:
+    """What lets the prefill worker draw token 0 and the decode worker tokens 1.. of one seed:
+    the draw at index i is the same whether or not indices 0..i-1 were drawn here."""
+    row = _logits(1, seed=4)[0] / 3
+    params = SamplingParams(temperature=1.0, seed=21)
+    whole = _draws(row, params, seed=21, steps=12)
+    resumed = [Sampler().sample(row[None], [params], _keys((21, i))).token_ids[0]
+               for i in range(5, 12)]
+    assert resumed == whole[5:]
 
 
 def test_different_seeds_differ() -> None:
@@ -68,6 +94,48 @@ def test_sampling_follows_the_distribution() -> None:
     assert counts[3:].sum() == 0
 
 
+def _reference_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """What a draw should follow, computed the plain way in float64: softmax at the
+    temperature, keep the top_k most likely, then the smallest prefix of them (by
+    probability) whose mass reaches top_p, renormalized."""
+    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    order = probs.argsort(descending=True).tolist()
+    kept = order[:params.top_k] if params.top_k > 0 else order
+    renormed = probs[kept] / probs[kept].sum()
+    mass, nucleus = 0.0, []
+    for token, p in zip(kept, renormed.tolist(), strict=True):
+        nucleus.append(token)
+        mass += p
+        if mass >= params.top_p:
+            break
+    out = torch.zeros_like(probs)
+    out[nucleus] = probs[nucleus] / probs[nucleus].sum()
+    return out
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6),
+    SamplingParams(temperature=1.3, top_k=12),
+    SamplingParams(temperature=0.9, top_p=0.8),
+    SamplingParams(temperature=1.1, top_k=20, top_p=0.9),
+], ids=["plain", "cool", "top_k", "top_p", "top_k_top_p"])
+def test_empirical_distribution_matches_the_softmax(params: SamplingParams) -> None:
+    """40,000 seeded draws of one row (one batch of 40,000 keyed rows): every token's
+    frequency lies within 5 standard errors of its probability, and no token outside top-k
+    and the nucleus is ever drawn."""
+    n = 40_000
+    row = _logits(1, seed=8)[0] / 2  # a spread of probabilities from ~0.2 down to ~1e-4
+    want = _reference_probs(row, params)
+    keys = draw_uniforms([DrawKey(2024, i) for i in range(n)], "cpu")
+    tokens = Sampler().sample(row.expand(n, VOCAB), [params] * n, keys).token_ids
+    got = torch.bincount(torch.tensor(tokens), minlength=VOCAB).double() / n
+    bound = 5 * (want * (1 - want) / n).sqrt() + 1 / n
+    assert ((got - want).abs() <= bound).all(), (got - want).abs().max()
+    assert (got[want == 0] == 0).all()
+    assert int((want > 0).sum()) > 3  # the data leaves a real choice
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -78,8 +146,7 @@ def test_sampling_follows_the_distribution() -> None:
 )
 def test_top_k_one_and_tiny_top_p_equal_greedy(params: SamplingParams) -> None:
     logits = _logits(6, seed=1)
-    gens = [make_generator(i, "cpu") for i in range(6)]
-    out = Sampler().sample(logits, [params] * 6, gens)
+    out = Sampler().sample(logits, [params] * 6, _keys(*[(i, 0) for i in range(6)]))
     assert out.token_ids == logits.argmax(dim=-1).tolist()
 
 
@@ -103,7 +170,7 @@ def test_logprobs_of_sampled_token_and_top_alternatives() -> None:
         SamplingParams(temperature=0),
         SamplingParams(temperature=0, logprobs=0),
     ]
-    out = Sampler().sample(logits, params, [None] * 3)
+    out = Sampler().sample(logits, params, _none(3))
     assert out.logprobs is not None and out.logprobs[1] is None
     expected = torch.log_softmax(logits, dim=-1)
     first = out.logprobs[0]
@@ -122,7 +189,7 @@ def test_penalties_count_generated_tokens_and_bias_adds_to_logits() -> None:
 
     def greedy(**kwargs: Any) -> int:
         params = SamplingParams(temperature=0, **kwargs)
-        return Sampler().sample(logits, [params], [None], generated).token_ids[0]
+        return Sampler().sample(logits, [params], _none(1), generated).token_ids[0]
 
     assert greedy() == 0
     assert greedy(presence_penalty=0.6) == 0  # 4.4 / 3.9 / 4.0: presence alone keeps 0
@@ -134,7 +201,7 @@ def test_penalties_count_generated_tokens_and_bias_adds_to_logits() -> None:
     assert greedy(logit_bias={0: -100.0, 1: -100.0}) == 2
     # Nothing generated yet: penalties change nothing; the raw logprobs are reported either way.
     out = Sampler().sample(logits, [SamplingParams(temperature=0, frequency_penalty=2.0,
-                                                   logprobs=1)], [None], [[]])
+                                                   logprobs=1)], _none(1), [[]])
     assert out.token_ids == [0] and out.logprobs is not None and out.logprobs[0] is not None
     assert math.isclose(out.logprobs[0].logprob, torch.log_softmax(logits[0], -1)[0].item(),
                         rel_tol=1e-6)
@@ -156,7 +223,7 @@ def test_penalties_and_biases_of_a_whole_batch_match_row_by_row_arithmetic() -> 
             expected[row, token] -= p.frequency_penalty * ids.count(token) + p.presence_penalty
         for token, bias in p.logit_bias:
             expected[row, token] += bias
-    out = Sampler().sample(logits, params, [None] * 5, generated)
+    out = Sampler().sample(logits, params, _none(5), generated)
     assert out.token_ids == expected.argmax(dim=-1).tolist()
     assert out.token_ids != logits.argmax(dim=-1).tolist()  # the data does move some rows
 
@@ -167,14 +234,16 @@ def test_a_banned_token_is_never_drawn_and_neighbours_are_untouched() -> None:
     banned = SamplingParams(temperature=1.5, seed=3, logit_bias={favourite: -100.0})
     plain = SamplingParams(temperature=0)
     for step in range(40):
-        out = Sampler().sample(logits, [banned, plain], [make_generator(step, "cpu"), None])
+        out = Sampler().sample(logits, [banned, plain], _keys((3, step), None))
         assert out.token_ids[0] != favourite
         assert out.token_ids[1] == int(logits[1].argmax())
 
 
 def test_mismatched_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="one row per params"):
-        Sampler().sample(_logits(2), [SamplingParams()], [None])
+        Sampler().sample(_logits(2), [SamplingParams()], _none(1))
+    with pytest.raises(ValueError, match="one row per params"):
+        Sampler().sample(_logits(2), [SamplingParams()] * 2, _none(3))
 
 
 @pytest.mark.parametrize(
@@ -207,17 +276,22 @@ def test_params_normalize_edge_inputs() -> None:
     params = SamplingParams(stop="###", stop_token_ids=[5, 6], temperature=0)  # type: ignore[arg-type]
     assert params.stop == ("###",) and params.stop_token_ids == (5, 6) and params.is_greedy
     assert hash(params) == hash(SamplingParams(stop=("###",), stop_token_ids=(5, 6), temperature=0))
-    assert make_generator(None, "cpu") is None
-    assert make_generator(-1, "cpu") is not None  # negative seeds are accepted
+    assert SamplingParams(seed=-1).seed == -1  # negative seeds are accepted
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_seeded_sampling_on_cuda_matches_itself_across_batches() -> None:
-    logits = _logits(3).cuda()
-    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7)
+def test_seeded_sampling_on_cuda_matches_the_cpu_and_itself_across_batches() -> None:
+    """The uniforms are the same numbers on both devices; a row's draw on CUDA is the one the
+    CPU makes, alone or in a batch."""
+    logits = _logits(3)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+              SamplingParams(temperature=0)]
+    keys = [DrawKey(11, 4), DrawKey(7, 0), None]
     sampler = Sampler()
-    alone = [sampler.sample(logits[1:2], [params], [make_generator(7, "cuda")]).token_ids[0]]
-    gens = [None, make_generator(7, "cuda"), None]
-    batch = sampler.sample(logits, [SamplingParams(), params, SamplingParams(temperature=0)], gens)
-    assert batch.token_ids[1] == alone[0]
-    assert batch.token_ids[2] == logits[2].argmax().item()
+    assert torch.equal(draw_uniforms(keys, "cuda").cpu(), draw_uniforms(keys, "cpu"))
+    on_cpu = sampler.sample(logits, params, draw_uniforms(keys, "cpu")).token_ids
+    batch = sampler.sample(logits.cuda(), params, draw_uniforms(keys, "cuda")).token_ids
+    alone = sampler.sample(logits[1:2].cuda(), params[1:2], draw_uniforms(keys[1:2], "cuda"))
+    assert batch == on_cpu and batch[1] == alone.token_ids[0]
+    assert batch[2] == logits[2].argmax().item()
