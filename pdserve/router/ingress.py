@@ -97,7 +97,7 @@ class Ingress:
 
         assert self.roles is not None
         app = serve.get_replica_context().app_name
-        return await serve_replica_counts(app, list(self.roles.handles))
+        return await serve_replica_counts(app, self.roles.handles)
 
     # ---- requests ----------------------------------------------------------------------
     async def chat(self, body: bytes) -> Response:
