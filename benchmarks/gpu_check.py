@@ -123,7 +123,7 @@ def handoff_ratio() -> None:
     """Two processes on one GPU: byte-exact, GB/s against a device-to-device copy."""
     sys.path[:0] = [str(ROOT)]
     from pdserve.engine.kv_layout import KVLayout
-    from tests.handoff.handoff_agent import spawn_agents
+    from tests.handoff.handoff_agent import running_agents
 
     print("== handoff, two processes on one GPU", flush=True)
     layout = KVLayout("check", "bfloat16", block_size=16, num_layers=32, num_kv_heads=8,
@@ -131,8 +131,7 @@ def handoff_ratio() -> None:
     num_blocks = 128  # 2,048 tokens, 256 MiB
     big = {"receiver_staging_bytes": 512 << 20, "sender_staging_bytes": 512 << 20,
            "max_piece_bytes": 16 << 20, "min_piece_bytes": 4 << 20, "timeout_s": 60.0}
-    receiver, sender = spawn_agents(big, big)
-    try:
+    with running_agents(big, big) as (receiver, sender):
         for agent, seed in ((receiver, 1), (sender, 2)):
             agent.call("make_cache", layout=layout.to_dict(), num_blocks=num_blocks + 8,
                        seed=seed, device="cuda")
@@ -155,9 +154,6 @@ def handoff_ratio() -> None:
         nbytes = num_blocks * layout.num_layers * layout.block_bytes
         line("handoff GB/s vs device-to-device copy", nbytes / min(seconds[1:]) / 1e9,
              copy_bandwidth() / 2 / 1e9, "GB/s")
-    finally:
-        receiver.stop()
-        sender.stop()
 
 
 def engine_ratios(model_dir: Path, flops: float, bandwidth: float) -> None:

@@ -8,15 +8,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.handoff.handoff_agent import Agent, spawn_agents
+from tests.handoff.handoff_agent import Agent, running_agents
 
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[tuple[Agent, Agent]]:
-    receiver, sender = spawn_agents(None, None)
-    yield receiver, sender
-    for agent in (receiver, sender):
-        agent.stop()
+    with running_agents(None, None) as (receiver, sender):
+        yield receiver, sender
     # A clean stop (notifier thread stopped, endpoints closed) exits 0 instead of hanging.
     assert receiver.process.exitcode == 0
     assert sender.process.exitcode == 0

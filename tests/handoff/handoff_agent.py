@@ -15,6 +15,7 @@ import os
 import signal
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 TEST_CONFIG: dict[str, Any] = {
@@ -94,6 +95,17 @@ def spawn_agents(*configs: dict[str, Any] | None) -> list[Agent]:
     """Start several agents at once (each start imports torch and brings UCX up: seconds)."""
     with concurrent.futures.ThreadPoolExecutor(len(configs)) as pool:
         return list(pool.map(Agent.spawn, configs))
+
+
+@contextlib.contextmanager
+def running_agents(*configs: dict[str, Any] | None) -> Iterator[list[Agent]]:
+    """`spawn_agents` for a with-block: every agent stopped after it, however it ends."""
+    agents = spawn_agents(*configs)
+    try:
+        yield agents
+    finally:
+        for agent in agents:
+            agent.stop()
 
 
 def agent_main(conn: multiprocessing.connection.Connection, config: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.handoff.handoff_agent import Agent, spawn_agents
+from tests.handoff.handoff_agent import Agent, running_agents
 from tests.handoff.handoff_cases import pick_blocks, random_layout, reserve, setup_roles
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,10 +20,8 @@ SMALL_STAGING = {"receiver_staging_bytes": STAGING, "sender_staging_bytes": STAG
 
 @pytest.fixture(scope="module")
 def small_pair() -> Iterator[tuple[Agent, Agent]]:
-    receiver, sender = spawn_agents(SMALL_STAGING, SMALL_STAGING)
-    yield receiver, sender
-    for agent in (receiver, sender):
-        agent.stop()
+    with running_agents(SMALL_STAGING, SMALL_STAGING) as (receiver, sender):
+        yield receiver, sender
 
 
 def test_transfers_ten_times_the_staging_stream_through_it_exactly(small_pair) -> None:

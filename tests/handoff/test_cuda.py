@@ -41,11 +41,10 @@ def test_device_gather_scatter_and_digest_agree_with_the_same_digest_on_host() -
 
 
 def test_two_processes_on_one_gpu_move_cuda_kv_exactly_without_host_copies() -> None:
-    from tests.handoff.handoff_agent import spawn_agents
+    from tests.handoff.handoff_agent import running_agents
     from tests.handoff.handoff_cases import CACHE_BLOCKS
 
-    receiver, sender = spawn_agents(None, None)
-    try:
+    with running_agents(None, None) as (receiver, sender):
         for agent, seed in ((receiver, 1), (sender, 2)):
             agent.call("make_cache", layout=LAYOUT.to_dict(), num_blocks=CACHE_BLOCKS,
                        seed=seed, device="cuda")
@@ -66,6 +65,3 @@ def test_two_processes_on_one_gpu_move_cuda_kv_exactly_without_host_copies() -> 
             sender.call("blocks_digest", block_ids=src)
         assert sender.call("host_copies") == 0  # no CUDA piece went through host memory
         assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
-    finally:
-        receiver.stop()
-        sender.stop()
