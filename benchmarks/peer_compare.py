@@ -41,6 +41,7 @@ STREAMS = {"streams32": (32, 128), "streams64": (64, 256)}
 IDLE_REQUESTS, IDLE_OUT = 5, 64
 DECODE_CORE, PREFILL_CORE = 1, 0
 PEER_START_S = 600.0
+PEER_MEMORY_SHARE = 0.25
 
 
 def prompts(n: int, out: int, seed: int) -> list[Request]:
@@ -78,7 +79,10 @@ def peer_serve(python: Path, path: Path, port: int, workdir: Path) -> Iterator[S
     log_path = workdir / "peer.log"
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
            "--served-model-name", MODEL, "--dtype", DTYPE, "--host", "127.0.0.1",
-           "--port", str(port)]
+           "--port", str(port),
+           # On CPU this is the share of host memory it reserves (KV cache included); its
+           # default (0.92) cannot start on a 24 GiB machine already running anything.
+           "--gpu-memory-utilization", str(PEER_MEMORY_SHARE)]
     print("  peer:", " ".join(cmd), flush=True)
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

@@ -12,6 +12,7 @@ from torch import nn
 
 from pdserve.engine.checkpoint import load_model, model_fingerprint
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.packed_linear import pack_linears
 from pdserve.engine.tokenizer import Tokenizer
 
 
@@ -30,6 +31,7 @@ class LoadedModel:
     ) -> LoadedModel:
         model, config = load_model(path, dtype, device, progress=progress)
         model.eval()
+        pack_linears(model, dtype, device)
         return cls(
             model=model,
             config=config,
