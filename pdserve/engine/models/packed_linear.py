@@ -1,9 +1,9 @@
 """Linear layers whose bf16 weights oneDNN lays out once, at load, for its CPU matmul kernels.
 
-A bf16 matmul with a plain weight pays for that layout on every call: on a Sapphire Rapids core
-the medium model's projections ran 1.3-2x faster packed at decode batch sizes (1-64 rows), with
-bit-identical results (benchmarks/engine_throughput.py). float32 is left alone: packing it
-changes results in the last bits and is slower for one row.
+A bf16 matmul with a plain weight pays for that layout on every call: on one Sapphire Rapids
+core the medium model's projections took 1.3-2x less thread CPU time packed at decode batch
+sizes (1-64 rows), with bit-identical results. float32 is left alone: packing changes its
+results in the last bits and is slower for one row.
 """
 
 from __future__ import annotations
