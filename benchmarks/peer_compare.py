@@ -5,8 +5,9 @@ Workloads: one stream on an idle server (112 prompt tokens, 64 out, one request 
 32 streams at once (112 in, 128 out) and 64 (112 in, 256 out), each with CPU per output token
 by process; then `pdserve bench`'s chat workload at several request rates with an SLO, as
 goodput. The offline engine's steps (batch 1, 32, 64; one thread on the decode core) are the
-bound TPOT is held against. pdserve runs colocated (two replicas, a core each) and
-disaggregated (prefill on core 0, decode on core 1); the peer runs with its own defaults.
+bound TPOT is held against. pdserve runs colocated (one replica on both cores, two threads)
+and disaggregated (prefill on core 0, decode on core 1); the peer runs with its own defaults
+(its engine's threads on both cores).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ STREAMS = {"streams32": (32, 128), "streams64": (64, 256)}
 IDLE_REQUESTS, IDLE_OUT = 5, 64
 DECODE_CORE, PREFILL_CORE = 1, 0
 PEER_START_S = 600.0
+PEER_MEMORY_SHARE = 0.25
 
 
 def prompts(n: int, out: int, seed: int) -> list[Request]:
@@ -57,9 +59,9 @@ def idle_requests(seed: int) -> list[Request]:
 
 def pdserve_config(path: Path, mode: str, port: int) -> dict[str, Any]:
     engine: dict[str, Any] = {"num_kv_blocks": 4096, "max_num_seqs": 64, "device": "cpu"}
-    if mode == "colocated":
-        roles = {"decode": {"replicas": 2, "resources": {"num_cpus": 1}}}
-        engine["cpu_affinity"] = {"decode": [str(PREFILL_CORE), str(DECODE_CORE)]}
+    if mode == "colocated":  # one engine on both cores, two threads (as the peer runs)
+        roles = {"decode": {"replicas": 1, "resources": {"num_cpus": 2}}}
+        engine["cpu_affinity"] = {"decode": [f"{PREFILL_CORE},{DECODE_CORE}"]}
     else:
         roles = {"decode": {"replicas": 1, "resources": {"num_cpus": 1}},
                  "prefill": {"replicas": 1, "resources": {"num_cpus": 1}}}
@@ -78,7 +80,10 @@ def peer_serve(python: Path, path: Path, port: int, workdir: Path) -> Iterator[S
     log_path = workdir / "peer.log"
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
            "--served-model-name", MODEL, "--dtype", DTYPE, "--host", "127.0.0.1",
-           "--port", str(port)]
+           "--port", str(port),
+           # On CPU this is the share of host memory it reserves (KV cache included); its
+           # default (0.92) cannot start on a 24 GiB machine already running anything.
+           "--gpu-memory-utilization", str(PEER_MEMORY_SHARE)]
     print("  peer:", " ".join(cmd), flush=True)
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -158,17 +163,17 @@ def goodput(label: str, served: Served, tokenizer_dir: Path, args: argparse.Name
     return out
 
 
-def offline_steps(path: Path, seed: int) -> dict[str, Any]:
-    """The engine alone on the decode core, one thread: each workload's decode step and
-    CPU per token (the bounds served figures are held against)."""
+def offline_steps(path: Path, seed: int, threads: int) -> dict[str, Any]:
+    """The engine alone, one thread on the decode core or two on both: each workload's
+    decode step and CPU per token (the bounds served figures are held against)."""
     import torch
 
     from pdserve.cluster.config import PdserveConfig
     from pdserve.engine.engine import LLMEngine
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     all_cores = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {DECODE_CORE})
+    os.sched_setaffinity(0, {DECODE_CORE} if threads == 1 else {PREFILL_CORE, DECODE_CORE})
     try:
         cfg = PdserveConfig.model_validate(pdserve_config(path, "disaggregated", 8000))
         engine = LLMEngine(cfg.to_engine_config(str(path)))
@@ -185,18 +190,21 @@ def offline_steps(path: Path, seed: int) -> dict[str, Any]:
         os.sched_setaffinity(0, all_cores)
 
 
+THREADS = {"peer": 2, "colocated": 2, "disaggregated": 1}  # the engine's, by setup
+
+
 def report(results: dict[str, Any]) -> None:
-    engine = results["offline"]
-    print("\noffline engine, 1 thread on the decode core:")
-    for name, row in engine.items():
-        print(f"  {name:<10} step {row['step_s'] * 1e3:6.2f} ms  {row['tok_per_s']:7,.0f} tok/s"
-              f"  CPU {row['cpu_us_per_token']:6,.0f} us/token")
+    for threads, engine in results["offline"].items():
+        print(f"\noffline engine, {threads} thread(s):")
+        for name, row in engine.items():
+            print(f"  {name:<10} step {row['step_s'] * 1e3:6.2f} ms  "
+                  f"{row['tok_per_s']:7,.0f} tok/s  CPU {row['cpu_us_per_token']:6,.0f} us/token")
     setups = [s for s in ("peer", "colocated", "disaggregated") if s in results]
     for workload in ("idle", *STREAMS):
         print(f"\n{workload}:")
         for setup in setups:
             row = results[setup][workload]
-            step = engine[workload]["step_s"]
+            step = results["offline"][THREADS[setup]][workload]["step_s"]
             print(f"  {setup:<14} {row['tok_per_s']:7,.0f} tok/s  TTFT p50 "
                   f"{row['ttft_p50_s'] * 1e3:6.1f} ms  TPOT p50 {row['tpot_p50_s'] * 1e3:6.2f} ms"
                   f" ({row['tpot_p50_s'] / step:.2f}x step)  failed {row['failed']}")
@@ -235,7 +243,8 @@ def main() -> None:
     path = ensure_checkpoint(args.model_dir, "llama", "medium", dtype=DTYPE)
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-peer-"))
     print(f"machine load {os.getloadavg()[0]:.2f}; offline engine ...", flush=True)
-    results: dict[str, Any] = {"offline": offline_steps(path, args.seed)}
+    results: dict[str, Any] = {"offline": {t: offline_steps(path, args.seed, t)
+                                           for t in (1, 2)}}
     for setup in args.setups:
         if setup == "peer":
             if args.peer_python is None:

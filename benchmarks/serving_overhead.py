@@ -77,7 +77,7 @@ def decode_threads(mode: str, pinned: bool) -> int:
     return 2 if mode == "colocated" and not pinned else 1
 
 
-def server_config(path: Path, dtype: str, mode: str, port: int, interval_ms: float | None,
+def server_config(path: Path, dtype: str, mode: str, port: int,
                   pinned: bool, frontend: str = "direct") -> dict[str, Any]:
     decode_cpus = decode_threads(mode, pinned)
     roles: dict[str, Any] = {"decode": {"replicas": 1, "resources": {"num_cpus": decode_cpus}}}
@@ -90,8 +90,6 @@ def server_config(path: Path, dtype: str, mode: str, port: int, interval_ms: flo
             engine["cpu_affinity"]["prefill"] = [str(PREFILL_CORE)]
     router: dict[str, Any] = {"min_disaggregated_prompt_tokens": 32, "max_in_flight_requests": 256,
                               "request_timeout_s": 600}
-    if interval_ms is not None:
-        router["stream_interval_ms"] = interval_ms
     return {"model": {"path": str(path), "dtype": dtype}, "served_model_name": MODEL_NAME,
             "engine": engine, "router": router, "handoff": {"timeout_s": 60},
             "http": {"host": "127.0.0.1", "port": port, "frontend": frontend}, "mode": mode,
@@ -221,9 +219,6 @@ def parse_args() -> argparse.Namespace:
                         "one thread; floating: no pinning, colocated with 2 threads")
     p.add_argument("--frontend", choices=("direct", "proxy"), default="direct",
                    help="http.frontend: each ingress replica's own port, or Serve's proxy")
-    p.add_argument("--stream-interval-ms", type=float, nargs="+", default=[None],
-                   help="router.stream_interval_ms, one server per value (default: the "
-                        "config's default)")
     p.add_argument("--scale", type=float, default=1.0, help="shrink output and long lengths")
     p.add_argument("--port", type=int, default=18200, help="HTTP port of the served app")
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
@@ -244,18 +239,15 @@ def main() -> None:
         vocab = AutoConfig.from_pretrained(str(path)).vocab_size
         shapes = [make_workload(w, vocab, args.scale, args.seed) for w in args.workloads]
         base_cfg = PdserveConfig.model_validate(
-            server_config(path, SIZES[size], "colocated", args.port, None, pinned=False))
+            server_config(path, SIZES[size], "colocated", args.port, pinned=False))
         offline_by_threads = {t: offline_runs(base_cfg, path, t, shapes, pinned)
                               for t in sorted({decode_threads(m, pinned) for m in args.modes})}
         served: dict[str, dict[str, tuple[RunResult, float]]] = {s.name: {} for s in shapes}
         for mode in args.modes:
-            for interval in args.stream_interval_ms:
-                label = mode if interval is None else f"{mode} {interval:g}ms"
-                config = server_config(path, SIZES[size], mode, args.port, interval, pinned,
-                                       args.frontend)
-                runs, idle = served_runs(config, args.port, shapes, label)
-                for name, run in runs.items():
-                    served[name][label] = (run, idle)
+            config = server_config(path, SIZES[size], mode, args.port, pinned, args.frontend)
+            runs, idle = served_runs(config, args.port, shapes, mode)
+            for name, run in runs.items():
+                served[name][mode] = (run, idle)
         for shape in shapes:
             results[f"{size}/{shape.name}"] = report(
                 size, shape, {t: r[shape.name] for t, r in offline_by_threads.items()},

@@ -81,9 +81,10 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str = "cpu",
     progress: bool = False,
-    block_size: int = 16,
+    block_size: int | None = None,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Build `CausalLM` from a checkpoint directory, weights cast to `dtype`, on `device`.
+    """Build `CausalLM` from a checkpoint directory, weights cast to `dtype`, on `device`,
+    with the attention backend for a KV cache of ``block_size`` (None: one that serves any).
 
     Raises `CheckpointError` naming the missing/unreadable file or tensor, and
     `UnsupportedArchitectureError` for models pdserve does not implement.

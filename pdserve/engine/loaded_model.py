@@ -12,6 +12,7 @@ from torch import nn
 
 from pdserve.engine.checkpoint import load_model, model_fingerprint
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.models.packed_linear import pack_linears
 from pdserve.engine.tokenizer import Tokenizer
 
 
@@ -27,11 +28,13 @@ class LoadedModel:
     @classmethod
     def load(
         cls, path: str, dtype: torch.dtype, device: torch.device, progress: bool = False,
-        block_size: int = 16,
+        block_size: int | None = None,
     ) -> LoadedModel:
-        """``block_size``: the KV cache's, which decides the attention backend on CUDA."""
+        """``block_size``: the KV cache's, which decides the attention backend on CUDA (None:
+        one that serves any block size)."""
         model, config = load_model(path, dtype, device, progress=progress, block_size=block_size)
         model.eval()
+        pack_linears(model, dtype, device)
         return cls(
             model=model,
             config=config,

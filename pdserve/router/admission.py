@@ -37,13 +37,14 @@ class AdmissionGate:
         self._finished_at: deque[float] = deque(maxlen=_RATE_WINDOW)
 
     def check_open(self) -> None:
-        """Refuse before any work (the HTTP route calls this before reading the body) when
-        not even one more generation could be admitted; reserves nothing."""
+        """Refuse before any work when not even one more request could be admitted; reserves
+        nothing. The HTTP route asks before reading the body, the ingress again before
+        parsing it (the gate may have filled meanwhile): a full server parses nothing."""
         self._check(1)
 
     def admit(self, count: int = 1) -> None:
-        """Reserve ``count`` generations once the request is parsed (the count may have
-        changed while its body was read and tokenized), or refuse."""
+        """Reserve ``count`` slots (a request's choices) once it is parsed, or refuse: the one
+        check that counts them."""
         if count > self.max_in_flight:
             raise InvalidRequestError(
                 f"n={count} choices exceed what this server runs at once "

@@ -101,18 +101,19 @@ class Ingress:
 
     # ---- requests ----------------------------------------------------------------------
     async def chat(self, body: bytes) -> Response:
-        """The route checked the gate before reading ``body``; `_serve` admits the choices."""
-        self._watch_roles()
+        self._admit_any()
         prompt = await self.prompts.chat(body)
         return await self._serve(prompt, new_request_id("chat"), chat=True)
 
     async def completion(self, body: bytes) -> Response:
-        self._watch_roles()
+        self._admit_any()
         prompt = await self.prompts.completion(body)
         return await self._serve(prompt, new_request_id("completion"), chat=False)
 
-    def _watch_roles(self) -> None:
-        """Start watching the roles (on the first request: the loop runs by then)."""
+    def _admit_any(self) -> None:
+        """Before any work: refuse while full or draining (the gate may have filled while the
+        body was read); start watching the roles."""
+        self.admission.check_open()
         if self.roles is not None:
             self.roles.start()
 

@@ -129,5 +129,7 @@ def test_backend_rule_per_device_dtype_block_size_and_capability() -> None:
     assert choose_backend("cuda", torch.float32, 256, ampere, None, None).name == "triton"
     missing = choose_backend("cuda", bf16, 256, ampere, "it did not import", None)
     assert missing.name == "triton" and "did not import" in missing.reason
+    unknown = choose_backend("cuda", bf16, None, ampere, None, None)  # a model loaded alone
+    assert unknown.name == "triton" and "no KV block size" in unknown.reason
     neither = choose_backend("cuda", bf16, 16, ampere, None, "it did not import")
     assert neither.name == "torch" and "Triton is unusable" in neither.reason

@@ -40,12 +40,13 @@ class AttentionChoice:
 def choose_backend(
     device_type: str,
     dtype: torch.dtype,
-    block_size: int,
+    block_size: int | None,
     capability: tuple[int, int] | None,
     flash_problem: str | None,
     triton_problem: str | None,
 ) -> BackendRule:
-    """The rule itself, testable anywhere. ``*_problem``: why that package cannot be used
+    """The rule itself, testable anywhere. ``block_size`` None: the cache's is not known yet,
+    so only a backend that serves any will do. ``*_problem``: why that package cannot be used
     (None: it imports and has what pdserve calls)."""
     if device_type != "cuda":
         return BackendRule("torch", f"{device_type} device: PyTorch's kernels")
@@ -59,13 +60,15 @@ def choose_backend(
                        f"({triton_problem})")
 
 
-def _why_not_flash(dtype: torch.dtype, block_size: int, capability: tuple[int, int] | None,
-                   flash_problem: str | None) -> str | None:
+def _why_not_flash(dtype: torch.dtype, block_size: int | None,
+                   capability: tuple[int, int] | None, flash_problem: str | None) -> str | None:
     if capability is None or capability < FLASH_MIN_CAPABILITY:
         has = "?" if capability is None else f"{capability[0]}.{capability[1]}"
         return f"flash-attn 2 needs compute capability >= 8.0 and this GPU has {has}"
     if dtype not in FLASH_DTYPES:
         return f"flash-attn does not run {dtype}"
+    if block_size is None:
+        return "no KV block size was given, and flash-attn's paged kernel serves only some"
     if block_size % FLASH_PAGED_BLOCK_MULTIPLE:
         return (f"flash-attn reads a paged cache only at block sizes that are multiples of "
                 f"{FLASH_PAGED_BLOCK_MULTIPLE} (engine.block_size is {block_size})")
@@ -73,7 +76,7 @@ def _why_not_flash(dtype: torch.dtype, block_size: int, capability: tuple[int, i
 
 
 def select_attention_backend(device: torch.device | str, dtype: torch.dtype,
-                             block_size: int) -> AttentionChoice:
+                             block_size: int | None) -> AttentionChoice:
     """Probe the packages and the device, apply `choose_backend`, build the backend."""
     from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 

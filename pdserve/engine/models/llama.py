@@ -110,6 +110,8 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        # The logits projection as one module, when weight packing made one (packed_linear.py).
+        self.logits_head: nn.Module | None = None
 
     @torch.inference_mode()
     def forward(
@@ -135,8 +137,14 @@ class CausalLM(nn.Module):
             )
         return self.norm(hidden)
 
+    def logits_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the lm_head's weight, or the embedding's when they are tied
+        (before `pack_linears`, which makes `logits_head` from it)."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     @torch.inference_mode()
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 [N, vocab]; matmul in the model dtype, as transformers does."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden_states, weight).float()
+        if self.logits_head is not None:
+            return self.logits_head(hidden_states).float()
+        return F.linear(hidden_states, self.logits_weight()).float()
