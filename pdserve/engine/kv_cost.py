@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 _SAMPLES = 32
 _EWMA = 0.3
@@ -138,3 +139,19 @@ class KVReuse:
     def tier(self) -> str | None:
         """The tier the loaded tokens came from (None: nothing loaded)."""
         return self.decision.tier if self.decision and self.num_loaded_tokens else None
+
+    def to_wire(self) -> list[Any]:
+        """A msgpack-able list (the token plane carries it with a request's first output)."""
+        d = self.decision
+        return [self.num_device_tokens, self.num_loaded_tokens, self.load_s, self.failure,
+                None if d is None else [d.tier, d.num_tokens, d.num_bytes, d.load_s,
+                                        d.compute_s]]
+
+    @classmethod
+    def from_wire(cls, raw: list[Any]) -> KVReuse:
+        device, loaded, load_s, failure, d = raw
+        decision = None if d is None else LoadDecision(
+            str(d[0]), int(d[1]), int(d[2]), None if d[3] is None else float(d[3]),
+            None if d[4] is None else float(d[4]))
+        return cls(int(device), decision, int(loaded), None if load_s is None else float(load_s),
+                   None if failure is None else str(failure))

@@ -33,6 +33,7 @@ from pdserve.router.errors import RequestTimeoutError, ServiceUnavailableError
 from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.pipeline import GenerationPipeline, PipelineSettings
+from pdserve.router.placement import PrefixPlacement
 from pdserve.router.prompts import Prompt, PromptBuilder
 from pdserve.router.protocol import (
     ChatCompletionRequest,
@@ -43,9 +44,9 @@ from pdserve.router.protocol import (
     unix_time,
 )
 from pdserve.router.responses import ResponseContext, StreamWriter, whole_response
-from pdserve.router.roles import RoleMonitor, serve_replica_counts
+from pdserve.router.roles import ReplicaLoad, RoleMonitor, serve_replica_counts
 from pdserve.router.sse import DONE_EVENT, EventStreamResponse, error_event
-from pdserve.router.timings import RequestTrace, time_per_output_token_ms
+from pdserve.router.timings import RequestTrace, reuse_fields, time_per_output_token_ms
 from pdserve.router.token_plane import TokenPlane
 
 logger = logging.getLogger("pdserve.requests")  # one JSON line per request
@@ -75,12 +76,14 @@ class Ingress:
         self.prompts = PromptBuilder(self.tokenizer, settings.max_model_len,
                                      settings.served_model_name)
         self.roles: RoleMonitor | None = None
+        ranked = settings.pipeline.prefill_ranked or settings.pipeline.decode_ranked
+        self.placement = PrefixPlacement(settings.plane_token) if ranked else None
         if decode is not None:
             handles = {"decode": decode} | ({"prefill": prefill} if prefill is not None else {})
-            self.roles = RoleMonitor(handles, self._replica_counts)
+            self.roles = RoleMonitor(handles, self._replica_counts, on_loads=self._follow_loads)
         self.plane = TokenPlane(settings.plane_token, node_ip())
         self.pipeline = GenerationPipeline(decode, prefill, settings.pipeline, self.plane,
-                                           self.roles)
+                                           self.roles, self.placement)
         self.admission = AdmissionGate(settings.max_in_flight_requests)
         self.metrics = PdserveMetrics()
         # Deadlines of the generations in flight; a drain pulls them in.
@@ -91,6 +94,14 @@ class Ingress:
         from pdserve.router.http_app import build_app
 
         return build_app(self)
+
+    def _follow_loads(self, loads: list[ReplicaLoad]) -> None:
+        """Every poll: the prefix index follows exactly the running replicas' KV events."""
+        if self.placement is None:
+            return
+        for role in self.placement.feeds:
+            self.placement.sync(role, [(load.replica_id, load) for load in loads
+                                       if load.role == role])
 
     async def _replica_counts(self) -> dict[str, int]:
         from ray import serve
@@ -245,6 +256,8 @@ class Ingress:
 
     def _finish(self, trace: RequestTrace, outcome: ChoiceOutcome, status: str) -> None:
         self.admission.leave()
+        if outcome.kv_reuse is not None:
+            trace.update(**reuse_fields(outcome.kv_reuse))
         trace.update(
             status=status, finish_reason=outcome.finish_reason if status == "ok" else None,
             num_output_tokens=outcome.num_output_tokens, e2e_ms=trace.ms_since_start(),
