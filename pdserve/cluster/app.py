@@ -106,14 +106,16 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
                       prefill_handoff: HandoffConfig | None, token: str) -> Application:
     """The wiring itself, with each role's handoff settings given (tests give them apart)."""
     engine_config = cfg.to_engine_config(model_path)
+    # The worker fills in its own address.
+    kv_store = cfg.kv_store.client_settings("") if cfg.kv_store.enabled else None
     max_model_len = max_model_len_for(ModelConfig.from_checkpoint(model_path),
                                       cfg.model.max_model_len)
     decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
-        engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s, node_ip)
+        engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s, node_ip, kv_store)
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(
-            engine_config, prefill_handoff, cfg.handoff.drain_timeout_s, node_ip)
+            engine_config, prefill_handoff, cfg.handoff.drain_timeout_s, node_ip, kv_store)
     settings = IngressSettings(
         model_path=model_path, served_model_name=cfg.model_name(), max_model_len=max_model_len,
         max_in_flight_requests=cfg.router.max_in_flight_requests,

@@ -30,6 +30,7 @@ from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 from pdserve.handoff.kv_event_server import serve_engine_events
+from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
 from pdserve.log import configure_logging
 from pdserve.replica import WorkerLoad, tier_load
 
@@ -52,7 +53,8 @@ class DecodeWorker:
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None,
                  plane_token: str, reserve_timeout_s: float,
-                 node_host: Callable[[], str] = lambda: "127.0.0.1") -> None:
+                 node_host: Callable[[], str] = lambda: "127.0.0.1",
+                 kv_store: MooncakeSettings | None = None) -> None:
         """``handoff_config`` None: no KV arrives (colocated); ``reserve_timeout_s``: how long
         a prompt whose KV is coming waits for free blocks (handoff.reserve_timeout_s);
         ``node_host``: this machine's address for other nodes (the KV event plane's)."""
@@ -61,6 +63,10 @@ class DecodeWorker:
         self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
                                             "decode")
         self.engine = LLMEngine(engine_config)
+        if kv_store is not None:  # before the engine thread starts
+            client = connect_store(kv_store, node_host())
+            if client is not None:
+                self.engine.tiers.attach_store(client)
         self.publisher = TokenPublisher(plane_token, MAX_UNREAD_TOKEN_BYTES)
         self.async_engine = AsyncEngine(self.engine, step_sink=self.publisher)
         self.events = serve_engine_events(self.engine, plane_token, node_host())

@@ -273,8 +273,8 @@ class LLMEngine:
             self.add_request(rid, prompt, p)
         pending = set(ids)
         while pending:
-            if not self.scheduler.has_schedulable_requests and self.tiers.host is not None:
-                self.tiers.host.wait_finished()  # every request loads: nothing to compute
+            if not self.scheduler.has_schedulable_requests:
+                self.tiers.wait_finished()  # every request loads: nothing to compute
             for out in self.step():
                 tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished:

@@ -84,7 +84,7 @@ class HostKVTier:
         self._stream = torch.cuda.Stream(device_cache.device) if pin else None
         self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
         self._done: deque[CopyDone] = deque()
-        self._finished = threading.Event()
+        self.finished = threading.Event()  # set when a job ends; the poller clears it
         self._ids = itertools.count(1)
         self.num_in_flight = 0  # engine thread only
         self._thread = threading.Thread(target=self._run, name="pdserve-kvcopy", daemon=True)
@@ -102,7 +102,7 @@ class HostKVTier:
 
     def poll(self) -> list[CopyDone]:
         """Copies finished since the last poll (engine thread)."""
-        self._finished.clear()
+        self.finished.clear()
         done = []
         while self._done:
             done.append(self._done.popleft())
@@ -112,11 +112,6 @@ class HostKVTier:
     @property
     def has_finished(self) -> bool:
         return bool(self._done)
-
-    def wait_finished(self, timeout_s: float = 1.0) -> None:
-        """Block until a copy finished since the last poll (or ``timeout_s``)."""
-        if self.num_in_flight:
-            self._finished.wait(timeout_s)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -134,7 +129,7 @@ class HostKVTier:
                 digests, error = (), str(exc) or type(exc).__name__
             self._done.append(CopyDone(job, digests, error, time.monotonic() - start,
                                        len(job.host_ids) * self.block_bytes))
-            self._finished.set()
+            self.finished.set()
             if self.notify is not None:
                 self.notify()
 

@@ -14,6 +14,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.host_block_pool import HostBlockPool
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.request import Request
+from pdserve.engine.write_back import WriteBack
 
 
 @dataclass
@@ -36,15 +37,15 @@ class KVCacheManager:
     `free`, which also drops its memoized block hashes. Block ``i`` of a request holds the
     KV of token positions ``[i * block_size, (i + 1) * block_size)``.
 
-    With a host pool: a cached block whose last reference goes (`free`) and that the host
-    tier lacks is pinned by a store (one reference of its own) until `finish_store`; the
-    caller copies the pairs `take_pending_stores` hands out. Host blocks a load reads are
-    marked read by the caller (`host_pool.begin_read`) until its copy ended.
+    With a host pool or store puts: a cached block whose last reference goes (`free`) is
+    pinned by each copy into another tier until it ends (`write_back`). Host blocks a load
+    reads are marked read by the caller (`host_pool.begin_read`) until its copy ended.
     """
 
     def __init__(
         self, num_blocks: int, block_size: int, salt: str, enable_prefix_caching: bool = True,
         events: KVEventLog | None = None, host_pool: HostBlockPool | None = None,
+        store_puts: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
@@ -55,8 +56,7 @@ class KVCacheManager:
         self.host_pool = host_pool if enable_prefix_caching else None
         self._tables: dict[str, _BlockTable] = {}
         self._hashes: dict[str, list[bytes]] = {}  # memo; block contents never change
-        self._store_pins: dict[int, int] = {}  # device block -> host block it is copied into
-        self._pending_stores: list[tuple[int, int]] = []
+        self.write_back = WriteBack(self._pool, self.host_pool, store_puts)
 
     @property
     def num_blocks(self) -> int:
@@ -113,27 +113,10 @@ class KVCacheManager:
             host_ids.append(host_id)
         return host_ids
 
-    def take_pending_stores(self) -> list[tuple[int, int]]:
-        """(device block, host block) pairs to copy into the host tier, each handed out once;
-        the device block stays pinned until `finish_store`."""
-        pending, self._pending_stores = self._pending_stores, []
-        return pending
-
-    def finish_store(self, device_id: int, host_id: int, digest: int | None) -> None:
-        """The copy of ``device_id`` into ``host_id`` ended (digest None: it failed)."""
-        assert self.host_pool is not None
-        if self._store_pins.pop(device_id, None) != host_id:
-            raise ValueError(f"device block {device_id} is not being stored in {host_id}")
-        self.host_pool.finish_store(host_id, digest)
-        self._pool.release([device_id])
-
-    @property
-    def has_pending_stores(self) -> bool:
-        return bool(self._pending_stores)
-
-    @property
-    def num_pinned_by_stores(self) -> int:
-        return len(self._store_pins)
+    def block_hashes(self, request: Request, start: int, end: int) -> list[bytes]:
+        """The chained hashes of the request's full blocks ``[start, end)`` (fewer when it has
+        fewer full blocks); what the shared store keys its blocks by."""
+        return self._block_hashes(request, end)[start:end]
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int] = ()
@@ -191,33 +174,14 @@ class KVCacheManager:
         table = self._tables.pop(request.request_id, None)
         if table is not None:
             self._pool.release(reversed(table.block_ids))
-            if self.host_pool is not None:
-                self._offload(table.block_ids)
-
-    def _offload(self, block_ids: list[int]) -> None:
-        """Pin the cached blocks that just lost their last reference and that the host tier
-        lacks, for a copy into it (write-back at release: the copy is done before they can
-        be evicted, so eviction itself never waits)."""
-        assert self.host_pool is not None
-        for block_id in block_ids:
-            if self._pool.ref_count(block_id) or block_id in self._store_pins:
-                continue
-            entry = self._pool.cached_entry(block_id)
-            if entry is None:
-                continue
-            host_id = self.host_pool.begin_store(*entry)
-            if host_id is None:
-                continue
-            self._pool.touch([block_id])
-            self._store_pins[block_id] = host_id
-            self._pending_stores.append((block_id, host_id))
+            self.write_back.on_release(table.block_ids)
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref count equals the tables that hold it."""
         self._pool.check_integrity()
         if self.host_pool is not None:
             self.host_pool.check_integrity()
-        holders: Counter[int] = Counter(self._store_pins.keys())
+        holders: Counter[int] = self.write_back.pins()
         for request_id, table in self._tables.items():
             assert len(set(table.block_ids)) == len(table.block_ids), (
                 f"request {request_id} holds a block twice: {table.block_ids}"

@@ -428,10 +428,10 @@ class Scheduler:
         None (no load: compute)."""
         if self.loads is None:
             return None
-        host_ids = self.loads.plan(request, len(cached_ids))
-        if host_ids is None:
+        plan = self.loads.plan(request, len(cached_ids))
+        if plan is None:
             return None
-        return self.loads.start(request, cached_ids, host_ids)
+        return self.loads.start(request, cached_ids, plan)
 
     def _admit(self, plan: StepPlan, request: Request, num_new: int, cached_ids: list[int],
                num_cached: int) -> bool:

@@ -27,6 +27,7 @@ from pdserve.handoff import (
     SendResult,
 )
 from pdserve.handoff.kv_event_server import serve_engine_events
+from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
 from pdserve.replica import WorkerLoad, tier_load
@@ -45,7 +46,8 @@ class PrefillWorker:
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig,
                  drain_timeout_s: float,
-                 node_host: Callable[[], str] = lambda: "127.0.0.1") -> None:
+                 node_host: Callable[[], str] = lambda: "127.0.0.1",
+                 kv_store: MooncakeSettings | None = None) -> None:
         """``drain_timeout_s``: how long a stopping replica waits for its transfers in flight
         (handoff.drain_timeout_s); ``node_host``: this machine's address for other nodes
         (where the KV event plane listens)."""
@@ -60,6 +62,10 @@ class PrefillWorker:
             self.transport.stop()
             raise
         self.sender = HandoffSender(self.transport, device=self.engine.device)
+        if kv_store is not None:  # before the engine thread starts
+            client = connect_store(kv_store, node_host())
+            if client is not None:
+                self.engine.tiers.attach_store(client)
         self.events = serve_engine_events(self.engine, handoff_config.auth_token, node_host())
         # Both touched only on the engine thread (commands and the layer hook run there).
         # Ticket and first block to send (after what the decode worker already holds).

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.engine.kv_events import Tier
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.log import configure_logging
@@ -315,6 +316,16 @@ class Ingress:
         sink = await self.plane.sink()
         return asdict(self.plane.stats) | {"host": sink.host, "port": sink.port,
                                            "num_subscriptions": len(self.plane.subscriptions())}
+
+    def prefix_index_stats(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The cluster prefix index as this ingress holds it: per role, per replica it
+        follows, the blocks it knows in each tier."""
+        if self.placement is None:
+            return {}
+        return {role: {rid: {tier.value: feed.index.num_blocks(rid, tier)
+                             for tier in (Tier.DEVICE, Tier.HOST)}
+                       for rid in feed.index.replica_ids}
+                for role, feed in self.placement.feeds.items()}
 
     async def kv_stats(self) -> dict[str, Any]:
         """Block counts of every role as the ingress sees them (one replica each)."""

@@ -97,14 +97,14 @@ def test_released_cached_blocks_are_pinned_until_their_host_copy_ends() -> None:
     a.num_computed_tokens = 12
     kv.cache_full_blocks(a)
     kv.free(a)
-    pending = kv.take_pending_stores()
-    assert len(pending) == 3 and kv.take_pending_stores() == []
+    pending = kv.write_back.take_host_stores()
+    assert len(pending) == 3 and kv.write_back.take_host_stores() == []
     assert kv.num_free_blocks == 1  # three pinned by their stores
     kv.check_integrity()
     b = _request("b", list(range(100, 116)))
     assert kv.allocate_slots(b, 16) is None  # pinned blocks are never evicted mid-copy
     for device_id, host_id in pending:
-        kv.finish_store(device_id, host_id, digest=host_id)
+        kv.write_back.finish_host_store(device_id, host_id, digest=host_id)
     assert kv.num_free_blocks == 4 and host.num_cached_blocks == 3
     assert kv.find_host_continuation(_request("c", list(range(13))), 0) == [h for _, h in pending]
     assert log.count(Tier.DEVICE) == 3 and log.count(Tier.HOST) == 3

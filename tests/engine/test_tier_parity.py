@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pdserve.cluster.config import engine_config
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_cache import GIB, kv_cache_bytes
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.sampling_params import SamplingParams
-from tests.support.waiting import wait_for
+from tests.support.kv_tiers import run, settle
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 DEVICE_BLOCKS = 24  # 384 tokens at block size 16: two documents evict a third
@@ -39,33 +39,6 @@ def make(loaded: LoadedModel, path: str, host_blocks: int, device_blocks: int) -
 def documents(vocab: int) -> dict[str, list[int]]:
     rng = random.Random(0)
     return {name: [rng.randrange(3, vocab) for _ in range(120)] for name in "ABCDE"}
-
-
-def run(engine: LLMEngine, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], object]]:
-    """Every prompt at once to the end: tokens and the first output's reuse record."""
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, GREEDY)
-    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
-    reuse: dict[str, object] = {}
-    while engine.has_unfinished_requests():
-        if not engine.scheduler.has_schedulable_requests and engine.tiers.host is not None:
-            engine.tiers.host.wait_finished()
-        out: RequestOutput
-        for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
-            reuse.setdefault(out.request_id, out.kv_reuse)
-    return {rid: (tokens[rid], reuse.get(rid)) for rid in prompts}
-
-
-def settle(engine: LLMEngine) -> None:
-    """Copies still running end; then both tiers are back to baseline."""
-    def idle() -> bool:
-        if engine.tiers.has_work:
-            engine.step()
-        stats = engine.kv_stats()
-        return (stats.num_free_blocks == stats.num_blocks and stats.tiers.num_host_busy_blocks == 0
-                and stats.tiers.num_store_pinned_blocks == 0 and stats.num_loading == 0)
-    wait_for(idle, 10, "both KV tiers to settle")
 
 
 @pytest.fixture(scope="module")
