@@ -38,7 +38,5 @@ def test_the_reuse_summary_splits_firsts_from_repeats() -> None:
     assert summary.repeat_computed_fraction == 0.04 and summary.reuse_ratio == 0.48
     assert summary.loads_by_tier == {"host": 1}
     assert summary.ttft_ratio is not None and summary.ttft_ratio < 0.3
-
-
     table = "\n".join(reuse_table(summarize_runs([run])))
     assert "host 1" in table and "4.0%" in table
