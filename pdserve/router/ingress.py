@@ -317,11 +317,13 @@ class Ingress:
         return asdict(self.plane.stats) | {"host": sink.host, "port": sink.port,
                                            "num_subscriptions": len(self.plane.subscriptions())}
 
-    def prefix_index_stats(self) -> dict[str, dict[str, dict[str, int]]]:
+    async def prefix_index_stats(self) -> dict[str, dict[str, dict[str, int]]]:
         """The cluster prefix index as this ingress holds it: per role, per replica it
         follows, the blocks it knows in each tier."""
         if self.placement is None:
             return {}
+        if self.roles is not None:
+            self.roles.start()  # the index follows what the role monitor polls
         return {role: {rid: {tier.value: feed.index.num_blocks(rid, tier)
                              for tier in (Tier.DEVICE, Tier.HOST)}
                        for rid in feed.index.replica_ids}
