@@ -25,7 +25,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.request import Request, RequestMode, RequestStatus
-from pdserve.engine.sampler import TokenLogprobs, make_generator
+from pdserve.engine.sampler import TokenLogprobs, draw_seed, make_generator
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.stop_strings import TextStream
@@ -274,7 +274,7 @@ class LLMEngine:
                 tracked.first_scheduled_at = now
             if chunk.samples and tracked is not None and tracked.generator is not None:
                 index = len(chunk.request.output_token_ids)
-                tracked.generator.manual_seed((tracked.base_seed * 1_000_003 + index) % 2**63)
+                tracked.generator.manual_seed(draw_seed(tracked.base_seed, index))
 
     def _make_request(
         self,

@@ -35,8 +35,26 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     if seed is None:
         return None
     generator = torch.Generator(device=device)
-    generator.manual_seed(seed % 2**64)  # negative seeds are valid SamplingParams
+    generator.manual_seed(draw_seed(seed, 0))
     return generator
+
+
+_MASK64 = 2**64 - 1
+
+
+def _mix64(x: int) -> int:
+    # splitmix64's finalizer: every input bit flips about half of the output bits.
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a request's ``index``-th draw: a hash of all 64 bits of ``seed``
+    (taken mod 2**64, so negative seeds are valid) and of ``index``. torch's CPU generator
+    (mt19937) keeps only the low 32 bits of what it is seeded with, so seeds that differ
+    only above bit 31 must differ there too."""
+    return _mix64((_mix64(seed & _MASK64) + index) & _MASK64)
 
 
 class Sampler:

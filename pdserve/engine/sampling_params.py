@@ -17,7 +17,8 @@ MAX_LOGPROBS = 20
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
-# torch.Generator.manual_seed accepts exactly this range.
+# The range torch.Generator.manual_seed accepts; a seed counts mod 2**64, all 64 bits hashed
+# into every draw (`sampler.draw_seed`).
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
 

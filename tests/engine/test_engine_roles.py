@@ -123,6 +123,21 @@ def test_seeds_reproduce_and_differ(loaded, tiny_checkpoints) -> None:
     assert a != c
 
 
+def test_every_bit_of_a_seed_counts(loaded, tiny_checkpoints) -> None:
+    """Seeds that differ only above bit 31 (torch's CPU generator keeps 32 bits of what it is
+    seeded with) or only in bit 63 draw different tokens."""
+    e = engine(loaded, tiny_checkpoints["qwen2"])
+    prompt = list(range(200, 230))
+    seeds = (7, 7 + 2**32, 7 + 2**63)
+    drawn = [tuple(e.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0,
+                                                       seed=seed, ignore_eos=True))[0])
+             for seed in seeds]
+    assert len(set(drawn)) == len(seeds), drawn
+    again = e.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=7 + 2**63,
+                                                ignore_eos=True))[0]
+    assert tuple(again) == drawn[2]
+
+
 def test_stop_string_truncates_and_is_never_streamed(loaded, tiny_checkpoints) -> None:
     path = tiny_checkpoints["qwen2"]
     e = engine(loaded, path)
