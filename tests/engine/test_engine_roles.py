@@ -12,6 +12,7 @@ import torch
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.request import RequestMode
 from pdserve.engine.sampling_params import SamplingParams
@@ -136,6 +137,17 @@ def test_every_bit_of_a_seed_counts(loaded, tiny_checkpoints) -> None:
     again = e.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=7 + 2**63,
                                                 ignore_eos=True))[0]
     assert tuple(again) == drawn[2]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(loaded, tiny_checkpoints) -> None:
+    e = engine(loaded, tiny_checkpoints["qwen2"])
+    vocab = loaded.config.vocab_size
+    for params, name in ((SamplingParams(stop_token_ids=(3, vocab)), "stop_token_ids"),
+                         (SamplingParams(logit_bias=((vocab + 5, 1.0),)), "logit_bias")):
+        with pytest.raises(InvalidRequestError, match=f"{name} token id .* outside the "
+                           f"vocabulary \\[0, {vocab}\\)"):
+            e.add_request("r", [1, 2, 3], params)
+    assert not e.has_unfinished_requests()
 
 
 def test_stop_string_truncates_and_is_never_streamed(loaded, tiny_checkpoints) -> None:
