@@ -13,6 +13,7 @@ import signal
 import threading
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from pdserve.cluster.bind import bind_summary, keep_local_ray_private
 from pdserve.cluster.capacity import check_fits_cluster
@@ -131,7 +132,8 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
     try:
         url = start(cfg, address, data, check_fit)
         print(bind_summary(cfg, ray.util.get_node_ip_address(),
-                           ray.get_runtime_context().gcs_address), flush=True)
+                           ray.get_runtime_context().gcs_address, urlsplit(url).port),
+              flush=True)
         print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)",
               flush=True)
         stop.wait()

@@ -32,6 +32,7 @@ from pdserve.router.choices import (
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import OverloadedError, RequestTimeoutError, ServiceUnavailableError
 from pdserve.router.http_guard import HttpGuardSettings
+from pdserve.router.http_socket import tune_serve_http_socket
 from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.pipeline import GenerationPipeline, PipelineSettings
 from pdserve.router.prompts import Prompt, PromptBuilder
@@ -76,6 +77,7 @@ class Ingress:
 
     def __init__(self, decode: Any, prefill: Any | None, settings: IngressSettings) -> None:
         configure_logging()
+        tune_serve_http_socket()  # before Serve binds this replica's HTTP port
         self.settings = settings
         self.tokenizer = Tokenizer.from_checkpoint(settings.model_path)
         self.prompts = PromptBuilder(self.tokenizer, settings.max_model_len,

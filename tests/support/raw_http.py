@@ -52,7 +52,10 @@ async def fetch(url: str, path: str, body: dict[str, Any] | None = None) -> RawR
 
 
 def parse(raw: bytes, latency_s: float) -> RawResponse:
-    head, _, rest = raw.partition(b"\r\n\r\n")
+    """The response in ``raw``; ConnectionResetError if the server closed without one."""
+    head, found, rest = raw.partition(b"\r\n\r\n")
+    if not found:
+        raise ConnectionResetError(f"the server closed after {len(raw)} bytes, no answer")
     lines = head.decode("latin-1").split("\r\n")
     headers = {}
     for line in lines[1:]:
