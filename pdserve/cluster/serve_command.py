@@ -25,6 +25,7 @@ from pdserve.cluster.serve_config import (
     deploy_serve_config,
     serve_deploy_config,
 )
+from pdserve.cluster.supervisor import follow_supervisor, is_supervised
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,10 @@ async def _drain_replicas(handle: Any, num_replicas: int, timeout_s: float) -> N
 
 
 def serve(config_path: str | None, address: str = "local", check_fit: bool = True) -> int:
+    """The server below `supervisor.supervise`: start, serve until SIGTERM (or SIGINT),
+    drain, stop. Ray's processes stay in this process's group, never the supervisor's."""
+    if is_supervised():
+        follow_supervisor()
     data, source = read_config_data(config_path)
     cfg = parse_config(data, source)
     init_ray(cfg, address)
