@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.router.admission import AdmissionGate
+from pdserve.router.admission_door import AdmissionDoor
 from pdserve.router.errors import OverloadedError, ServiceUnavailableError
 from pdserve.router.http_errors import error_response, install_error_handlers, unwrap_remote_error
 from pdserve.router.http_guard import HttpGuard, HttpGuardSettings
@@ -51,18 +52,18 @@ def build_app(ingress: IngressApi) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible PD-disaggregated serving")
     install_error_handlers(app)
     _count_refusals(app, ingress.metrics)
+    # Middleware added last runs first: keys and body size, then admission, then routes.
+    app.add_middleware(AdmissionDoor, gate=ingress.admission, metrics=ingress.metrics)
     app.add_middleware(HttpGuard, settings=ingress.settings.http)
     install_openapi(app, ingress.settings.served_model_name, ingress.settings.http)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        ingress.admission.check_open()  # a full server refuses before the body is read
-        body = await request.body()
+        body = await request.body()  # AdmissionDoor refused a full server's before this
         return await until_disconnected(request, ingress.chat(body))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        ingress.admission.check_open()
         body = await request.body()
         return await until_disconnected(request, ingress.completion(body))
 

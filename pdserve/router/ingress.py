@@ -323,11 +323,6 @@ class Ingress:
         loads = self.roles.loads() if self.roles is not None else []
         return self.metrics.render(loads, self.admission.num_in_flight)
 
-    async def check_health(self) -> None:
-        """Serve's periodic health check: watching the roles starts here if no request or
-        scrape started it yet, so a new replica's first scrape finds their loads."""
-        self._watch_roles()
-
     async def token_plane_stats(self) -> dict[str, Any]:
         """This replica's token plane: where it listens and what it received and refused."""
         sink = await self.plane.sink()
