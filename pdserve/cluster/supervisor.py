@@ -3,7 +3,7 @@ server it starts in a process group of its own, with Ray's processes below the s
 
 A signal sent to a process group (a terminal's Ctrl-C, `kill -- -PGID`) reaches every process
 in it: with Ray's GCS and raylet in pdserve's group they would die at once, and the server
-could no longer drain through them. The supervisor takes SIGTERM, SIGINT and SIGHUP however
+could not drain through them. The supervisor takes SIGTERM, SIGINT and SIGHUP however
 they arrive and hands the server one SIGTERM; the server drains, stops Serve and its Ray, and
 exits; the supervisor exits with its code. If the supervisor dies first, the kernel sends the
 server SIGTERM (PR_SET_PDEATHSIG), and Ray's processes go with the server.
