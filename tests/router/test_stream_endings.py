@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import suppress
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.delta import GenerationDelta
@@ -64,10 +65,9 @@ async def serve_stream(ingress: Ingress, read_body_messages: int | None) -> list
             body.append(bytes(message.get("body", b"")))  # type: ignore[arg-type]
 
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
-    try:
+    # A stalled stream's task is cancelled: the server sees the same.
+    with suppress(asyncio.CancelledError):
         await asyncio.wait_for(response(scope, receive, send), 10)  # type: ignore[arg-type]
-    except asyncio.CancelledError:
-        pass  # a stalled stream's task is cancelled: the server sees the same
     return body
 
 
