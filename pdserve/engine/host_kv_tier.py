@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch
 import xxhash
@@ -27,7 +27,7 @@ from pdserve.engine.threads import name_native_thread
 logger = logging.getLogger(__name__)
 
 
-class CopyKind(str, Enum):
+class CopyKind(StrEnum):
     STORE = "store"  # device -> host
     LOAD = "load"  # host -> device
 

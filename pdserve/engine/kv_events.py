@@ -9,10 +9,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class Tier(str, Enum):
+class Tier(StrEnum):
     """Where a block's KV lives. DEVICE and HOST are per worker; STORE is the shared pool;
     PEER names KV pulled from another worker (a reuse's source, never an index tier)."""
 
@@ -22,7 +22,7 @@ class Tier(str, Enum):
     PEER = "peer"
 
 
-class EventKind(str, Enum):
+class EventKind(StrEnum):
     STORED = "stored"
     REMOVED = "removed"
 

@@ -112,8 +112,8 @@ class KVEventFeed:
                     self.identities[replica_id] = frame.identity
                     self.index.reset(replica_id, frame.identity.layout_fingerprint,
                                      frame.snapshot.seq, frame.snapshot.blocks)
-                elif isinstance(frame, EventBatch):
-                    if not self.index.apply(replica_id, frame.first_seq, frame.events):
-                        raise KVEventPlaneError(f"event gap from {replica_id}: resync")
+                elif (isinstance(frame, EventBatch)
+                      and not self.index.apply(replica_id, frame.first_seq, frame.events)):
+                    raise KVEventPlaneError(f"event gap from {replica_id}: resync")
         finally:
             writer.transport.abort()
