@@ -221,9 +221,11 @@ class LLMEngine:
             return []
         hook = None if layer_hook is None else (lambda layer: layer_hook(layer, output))
         draws = self._note_scheduled(output)
-        started = time.monotonic()
+        measured = self.scheduler.loads is not None  # the cost model exists for loads alone
+        started = time.monotonic() if measured else 0.0
         result = self.runner.execute(output, self.kv_manager.block_ids, draws, hook)
-        self._measure_prefill(output, time.monotonic() - started)
+        if measured:
+            self._measure_prefill(output, time.monotonic() - started)
         self.stats.num_steps += 1
         self.stats.num_tokens_computed += result.num_tokens_computed
         self.stats.num_preemptions += len(output.preempted_request_ids)

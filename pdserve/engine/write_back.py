@@ -44,6 +44,8 @@ class WriteBack:
         return Counter(list(self._host_stores) + list(self._putting))
 
     def on_release(self, block_ids: Iterable[int]) -> None:
+        if self.host_pool is None and not self.puts:
+            return  # no tier beside the device: nothing to copy
         for block_id in block_ids:
             if self._pool.ref_count(block_id):
                 continue
