@@ -134,13 +134,17 @@ class WorkloadSpec:
 def build_prompts(spec: WorkloadSpec, space: TokenSpace, round_index: int = 0) -> list[PromptSpec]:
     """The workload's requests. Same spec and round: same prompts. Each round draws fresh
     prompt content (so a later round at another rate finds no prefix of an earlier one
-    cached), while the long document's shared prefix stays the same in every round."""
+    cached), while the long document's shared prefix stays the same in every round. With
+    several documents each round (warm-ups included) asks about documents of its own, so that
+    each document's first request in a round finds nothing of it cached."""
     rng = np.random.default_rng([spec.seed, round_index])
     count = spec.num_prompts
     if spec.name == "long-doc":
         doc, shared_len, out = spec.long_doc_lengths()
-        documents = [space.draw(np.random.default_rng([spec.seed, 1 << 30, *([k] if k else [])]),
-                                shared_len) for k in range(spec.num_documents)]
+        own = [round_index, 1] if spec.num_documents > 1 and round_index else []
+        documents = [space.draw(np.random.default_rng([spec.seed, 1 << 30, *([k] if k else []),
+                                                       *own]), shared_len)
+                     for k in range(spec.num_documents)]
         pairs = [(documents[i % spec.num_documents] + space.draw(rng, doc - shared_len), out)
                  for i in range(count)]
         return _fit(spec, pairs, shared_len)

@@ -3,6 +3,10 @@ summary sets each document's first request against its repeats."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from pdserve.bench.records import RequestRecord, RunResult
 from pdserve.bench.report import reuse_table, summarize_runs
 from pdserve.bench.reuse import summarize_reuse
@@ -18,6 +22,12 @@ def test_requests_ask_about_the_documents_in_turn() -> None:
     single = build_prompts(WorkloadSpec("long-doc", 2, input_len=40, shared_prefix_len=32,
                                         output_len=2), TokenSpace(100))
     assert single[0].prompt_ids[:32] == docs[0]  # one document: the same as before
+    later = [p.prompt_ids[:32] for p in build_prompts(spec, TokenSpace(100), round_index=1)]
+    assert later[0] == later[3] and not set(map(tuple, later)) & set(map(tuple, docs))
+    # one document stays the same in every round
+    assert build_prompts(WorkloadSpec("long-doc", 1, input_len=40, shared_prefix_len=32,
+                                      output_len=2), TokenSpace(100), 1)[0].prompt_ids[:32] \
+        == docs[0]
 
 
 def record(index: int, ttft_s: float, computed: int, hit: int, tier: str | None) -> RequestRecord:
@@ -40,3 +50,15 @@ def test_the_reuse_summary_splits_firsts_from_repeats() -> None:
     assert summary.ttft_ratio is not None and summary.ttft_ratio < 0.3
     table = "\n".join(reuse_table(summarize_runs([run])))
     assert "host 1" in table and "4.0%" in table
+
+
+def test_the_reuse_plot_draws_firsts_against_repeats(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (pdserve[bench])")
+    from pdserve.bench.plots import write_plots
+
+    records = (record(0, 1.0, 100, 0, None), record(1, 0.2, 4, 96, "host"))
+    run = RunResult("tiers", {"name": "long-doc", "num_documents": 1}, {"request_rate": 1.0},
+                    {}, 10.0, records)
+    paths = write_plots(summarize_runs([run]), tmp_path, "long-doc")
+    assert tmp_path / "kv_reuse.png" in paths
+    assert (tmp_path / "kv_reuse.png").stat().st_size > 5000
