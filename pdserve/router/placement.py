@@ -21,6 +21,10 @@ MAX_PREFIX_BLOCKS = 16_384
 # A host-tier token costs about this fraction of computing one (a load is a copy); the
 # worker's own cost model makes the real choice.
 HOST_WEIGHT = 0.1
+# Decode replicas report requests waiting (for their KV too) up to a report period late; the
+# prefix holder keeps the prompt unless it has this many more waiting than the least-waiting
+# replica (a single in-flight handoff must not send a repeat's whole prompt elsewhere).
+DECODE_WAITING_SLACK = 4
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class PrefixPlacement:
         costs: dict[str, PrefixCost] = {}
         matches: dict[str, PrefixMatch] = {}
         block_size = 16
+        least_waiting = min((load.num_waiting for _, load in loads), default=0)
         for replica_id, load in loads:
             layout, hashes, block_size = hashed.get(replica_id, ("", [], block_size))
             match = feed.index.match(hashes, [replica_id], layout).get(replica_id, PrefixMatch())
@@ -67,7 +72,7 @@ class PrefixPlacement:
             cached = max(match.num_blocks, device) if role == "prefill" else device
             matches[replica_id] = PrefixMatch(device, cached)
             queued = load.num_queued_tokens if feed_role == "prefill" else (
-                load.num_waiting * len(prompt))
+                max(0, load.num_waiting - least_waiting - DECODE_WAITING_SLACK) * len(prompt))
             costs[replica_id] = PrefixCost(max(0, len(prompt) - cached * block_size),
                                            (cached - device) * block_size, queued, HOST_WEIGHT)
         ranks = rank_by_prefix([rid for rid, _ in loads], costs,

@@ -76,6 +76,25 @@ def test_placement_ranks_by_the_engines_own_hashes() -> None:
     assert placed.cached_tokens("warm") == 48 and placed.cached_tokens("cold") == 0
 
 
+def test_a_decode_prefix_holder_keeps_a_repeat_unless_far_busier() -> None:
+    placement = PrefixPlacement("token-0123456789abcdef")
+    feed = placement.feeds["decode"]
+    prompt = list(range(64))
+    chain = hash_full_blocks(prompt, 16, "salt")
+    for rid, blocks in (("holder", chain[:3]), ("other", [])):
+        feed.identities[rid] = WorkerIdentity(rid, "L", "salt", 16)
+        feed.index.reset(rid, "L", 0, {Tier.DEVICE: blocks})
+
+    def load(waiting: int) -> WorkerLoad:
+        return WorkerLoad(num_blocks=8, num_free_blocks=8, num_running=0, num_waiting=waiting)
+
+    # One request awaiting its KV (as a late load report shows it) does not move the repeat.
+    placed = placement.rank("decode", prompt, [("other", load(0)), ("holder", load(1))])
+    assert placed.ranking[0] == "holder"
+    placed = placement.rank("decode", prompt, [("other", load(0)), ("holder", load(6))])
+    assert placed.ranking[0] == "other"
+
+
 def test_headroom_ranks_free_kv_first_within_band() -> None:
     headroom = {"full": KVHeadroom(5, 100), "half": KVHeadroom(50, 100),
                 "empty": KVHeadroom(100, 100), "nearly": KVHeadroom(95, 100)}
