@@ -42,10 +42,14 @@ def _ms(values: Sequence[float], q: float) -> float | None:
 
 
 def _computed(record: RequestRecord) -> int | None:
+    """Prompt tokens the server computed: what the prefill worker reports, or (the colocated
+    path, which reports none) the prompt less its reused prefix."""
     if not record.server_timings:
         return None
     t = record.server_timings[0]
     value = t.get("prefill_tokens_computed")
+    if value is None and t.get("prefix_hit_tokens") is not None:
+        value = record.prompt_tokens - int(t["prefix_hit_tokens"])
     return None if value is None else int(value)
 
 

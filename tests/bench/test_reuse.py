@@ -52,6 +52,17 @@ def test_the_reuse_summary_splits_firsts_from_repeats() -> None:
     assert "host 1" in table and "4.0%" in table
 
 
+def test_a_colocated_request_computes_its_prompt_less_the_reused_prefix() -> None:
+    colocated = RequestRecord(1, True, 100, 2, ttft_s=0.1, e2e_s=0.2, server_timings=(
+        {"prefill_tokens_computed": None, "prefix_hit_tokens": 96, "kv_tier": "host",
+         "kv_loaded_tokens": 96},))
+    run = RunResult("tiers", {"name": "long-doc", "num_documents": 1}, {"request_rate": 1.0},
+                    {}, 10.0, (record(0, 1.0, 100, 0, None), colocated))
+    summary = summarize_reuse(run)
+    assert summary is not None and summary.repeat_computed_fraction == 0.04
+    assert summary.repeat_computed_per_request == 4
+
+
 def test_the_reuse_plot_draws_firsts_against_repeats(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="plots need matplotlib (pdserve[bench])")
     from pdserve.bench.plots import write_plots
