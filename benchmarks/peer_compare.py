@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import DEFAULT_MODEL_DIR, ensure_checkpoint, offline, save_json
+from _common import DEFAULT_MODEL_DIR, bar_chart, ensure_checkpoint, offline, save_json
 from _overhead_runs import Request, RunResult, Served, pdserve_serve, run_offline, run_served
 from _proc_cpu import session_pids, snapshot
 
@@ -220,6 +220,19 @@ def report(results: dict[str, Any]) -> None:
             print(f"  {setup:<14} {cells}")
 
 
+def plot(results: dict[str, Any]) -> Path:
+    """Output tok/s at 32 and 64 streams and goodput at each rate, the setups side by side."""
+    setups = [s for s in ("peer", "colocated", "disaggregated") if s in results]
+    panels = [(f"{workload}: output tok/s", "tok/s",
+               {s: results[s][workload]["tok_per_s"] for s in setups}) for workload in STREAMS]
+    rates = sorted({r for s in setups for r in results[s].get("goodput", {})}, key=float)
+    panels += [(f"chat at {rate} req/s: goodput", "req/s",
+                {s: results[s]["goodput"][rate]["goodput"] for s in setups
+                 if rate in results[s].get("goodput", {})}) for rate in rates]
+    return bar_chart("peer_compare", panels, "pdserve and a peer server, same checkpoint, "
+                     "cores and client", fmt="%.2f")
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--peer-python", type=Path, default=None,
@@ -262,6 +275,7 @@ def main() -> None:
         print(f"  {setup} done at {time.perf_counter() - started:.0f} s", flush=True)
     report(results)
     print(f"\nsaved {save_json('peer_compare', results)}")
+    print(f"plot {plot(results)}")
     print(f"total benchmark time {time.perf_counter() - started:.0f} s "
           f"(load average now {os.getloadavg()[0]:.2f})")
 

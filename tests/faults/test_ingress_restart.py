@@ -68,7 +68,9 @@ def test_a_killed_ingress_serves_its_port_again_three_times_under_traffic(
         tmp_path: Path, tiny_checkpoints: dict[str, str]) -> None:
     with pdserve_serve(tmp_path, tiny_checkpoints["llama"], served_model_name="m") as server:
         port = int(server.url.rsplit(":", 1)[1])
-        assert f"HTTP 127.0.0.1:{port}," in server.log_path.read_text()
+        # /health can answer before `serve` prints its start-up line
+        wait_for(lambda: f"HTTP 127.0.0.1:{port}," in server.log_path.read_text(), 30,
+                 "the start-up line naming http.port")
         traffic = Traffic(server.url)
         traffic.start()
         times = []
