@@ -7,6 +7,7 @@ several groups (tests run ranks as threads) and nothing global is set.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 
@@ -115,10 +116,8 @@ class CollectiveGroup(TPGroup):
         for group in (self._compute, self._control):
             shutdown = getattr(group, "shutdown", None)
             if shutdown is not None:
-                try:
+                with contextlib.suppress(RuntimeError):  # already broken: a peer died
                     shutdown()
-                except RuntimeError:
-                    pass  # already broken: a peer died
 
 
 def host_store(host: str, size: int, timeout_s: float) -> tuple[Rendezvous, dist.TCPStore]:

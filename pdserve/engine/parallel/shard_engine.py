@@ -4,6 +4,7 @@ step rank 0 broadcasts, in lock-step with it. It schedules nothing and samples n
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
@@ -58,7 +59,11 @@ class ShardEngine:
             if payload is None:
                 return
             plan = StepPlan.decode(payload)
-            hook = None if layer_hook is None else (lambda layer: layer_hook(layer, plan))
+            hook = None if layer_hook is None else functools.partial(_with_plan, layer_hook, plan)
             with torch.inference_mode():
                 self.runner.run_plan(plan, hook)
             self.num_steps += 1
+
+
+def _with_plan(layer_hook: PlanHook, plan: StepPlan, layer: int) -> None:
+    layer_hook(layer, plan)
