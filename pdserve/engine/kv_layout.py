@@ -208,6 +208,13 @@ class KVSlice:
         return self.layout.element_size
 
     @property
+    def block_dims(self) -> tuple[int, ...]:
+        """One block's elements of these heads, in the layout's memory order."""
+        dims = list(self.layout.block_dims)
+        dims[self.layout.head_axis] = self.num_heads
+        return tuple(dims)
+
+    @property
     def block_elements(self) -> int:
         return self.layout.block_elements // self.layout.local_kv_heads * self.num_heads
 
