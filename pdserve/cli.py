@@ -98,6 +98,13 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from pdserve.cluster.supervisor import is_supervised, supervise
+
+    if not is_supervised():  # this process takes the signals; the server runs below it
+        argv = (["--verbose"] if args.verbose else []) + ["serve", "--address", args.address]
+        argv += ([] if args.check_fit else ["--no-fit-check"]) + ([args.config] if args.config
+                                                                    else [])
+        return supervise(argv)
     from pdserve.cluster.serve_command import serve
 
     return serve(args.config, args.address, args.check_fit)

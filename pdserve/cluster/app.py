@@ -11,7 +11,7 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
-from ray.serve.config import BackpressureConfig, RequestRouterConfig
+from ray.serve.config import RequestRouterConfig
 
 from pdserve.cluster.config import PdserveConfig, load_config, parse_config
 from pdserve.cluster.model_source import resolve_model_path
@@ -25,6 +25,7 @@ from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.ingress import Ingress, IngressSettings
 from pdserve.router.pipeline import PipelineSettings
 from pdserve.router.prefill_load import LocalPrefillPolicy
+from pdserve.router.stalls import StallSettings
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +54,11 @@ LOAD_REPORT_PERIOD_S = 1.0
 # (handoff.drain_timeout_s) plus time for the worker's own shutdown.
 PREFILL_SHUTDOWN_MARGIN_S = 10.0
 
-# Requests past the admission limit that Serve still hands to the ingress, which answers them
-# with a quick 429 (plus /health and /metrics).
-INGRESS_HEADROOM = 64
+# Serve's own bound on a replica's concurrent requests, for the ingress: far above what one
+# process's sockets hold, so Serve never queues or refuses an ingress request (its refusal is a
+# text/plain body, uncounted, and it would count /health and /metrics like completions). The
+# ingress bounds itself: router.max_in_flight_requests, answered 429 in OpenAI's shape.
+INGRESS_UNBOUNDED_REQUESTS = 1_000_000
 
 ROUTERS = {
     "prefix_affinity": "pdserve.router.replica_routing:PrefixAffinityRouter",
@@ -128,17 +131,15 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
         http=HttpGuardSettings(max_body_bytes=cfg.http.max_body_bytes,
                                api_keys=cfg.resolve_api_keys(),
                                metrics_require_api_key=cfg.http.metrics_require_api_key),
+        stalls=StallSettings(cfg.http.stalled_stream_timeout_s, cfg.http.max_unsent_stream_bytes),
     )
     # The ingress refuses beyond its admission limit itself (429 with an OpenAI body, before
-    # any work), so Serve lets through a little more than that limit, and a proxy in front
-    # (http.frontend: proxy) holds no more than that while it hands requests over: overload
-    # is refused at once instead of waiting in line there.
+    # any work); Serve hands it every request at once, so overload never waits in a Serve
+    # queue (nor in a proxy's, with http.frontend: proxy) and /health never waits behind it.
     ingress = serve.deployment(
         serve.ingress()(Ingress), name="ingress", num_replicas=cfg.router.replicas,
         ray_actor_options={"num_cpus": cfg.router.num_cpus},
-        max_ongoing_requests=cfg.router.max_in_flight_requests + INGRESS_HEADROOM,
-        max_queued_requests=cfg.router.max_in_flight_requests + INGRESS_HEADROOM,
-        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
+        max_ongoing_requests=INGRESS_UNBOUNDED_REQUESTS, max_queued_requests=-1,
     )
     return ingress.bind(decode, prefill, settings)
 

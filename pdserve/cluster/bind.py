@@ -36,11 +36,16 @@ def keep_local_ray_private(environ: MutableMapping[str, str] | None = None) -> N
         env.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
 
 
-def bind_summary(cfg: PdserveConfig, node_ip: str, gcs_address: str) -> str:
-    """One line naming what the running application listens on, and who can reach it."""
+def bind_summary(cfg: PdserveConfig, node_ip: str, gcs_address: str,
+                 http_port: int | None = None) -> str:
+    """One line naming what the running application listens on, and who can reach it;
+    ``http_port``: the port clients reach it on, when not http.port (which it then names)."""
     devices = cfg.handoff.net_devices or "any (UCX picks)"
     handoff = f"KV handoff UCX devices {devices}" if cfg.mode == "disaggregated" else ""
-    parts = [f"HTTP {cfg.http.host}:{cfg.http.port}",
+    http = f"HTTP {cfg.http.host}:{http_port or cfg.http.port}"
+    if http_port not in (None, cfg.http.port):
+        http += f" (not http.port {cfg.http.port}, which was taken)"
+    parts = [http,
              f"Ray node {node_ip} (GCS {gcs_address})", handoff]
     local = (cfg.http.host in LOOPBACK_HOSTS and node_ip in LOOPBACK_HOSTS
              and (cfg.mode != "disaggregated" or cfg.handoff.net_devices == "lo"))

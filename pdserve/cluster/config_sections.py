@@ -366,6 +366,15 @@ class HttpSection(Section):
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM: how long open requests may finish (new ones get "
         "503) before the rest are ended with an error event.")
+    stalled_stream_timeout_s: float = Field(
+        5.0, gt=0, description="A stream whose client has taken none of its output for this "
+        "long (the server's send stayed blocked on full socket buffers: the client stopped "
+        "reading, or reads less than about 48 KiB in this time) is ended: its admission slot, "
+        "KV blocks and buffered output are freed and it counts as status stalled.")
+    max_unsent_stream_bytes: int = Field(
+        8 << 20, ge=64 << 10, description="A stream whose output waiting for its client (its "
+        "tokens, text and logprobs as received) passes this many bytes is ended the same way, "
+        "before stalled_stream_timeout_s.")
     max_body_bytes: int = Field(
         4 << 20, ge=1024, description="Largest request body accepted: a larger "
         "Content-Length is answered 413 before the body is read, and a streamed (chunked) body "

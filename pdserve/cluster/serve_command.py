@@ -13,6 +13,7 @@ import signal
 import threading
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from pdserve.cluster.bind import bind_summary, keep_local_ray_private
 from pdserve.cluster.capacity import check_fits_cluster
@@ -24,6 +25,7 @@ from pdserve.cluster.serve_config import (
     deploy_serve_config,
     serve_deploy_config,
 )
+from pdserve.cluster.supervisor import follow_supervisor, is_supervised
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,10 @@ async def _drain_replicas(handle: Any, num_replicas: int, timeout_s: float) -> N
 
 
 def serve(config_path: str | None, address: str = "local", check_fit: bool = True) -> int:
+    """The server below `supervisor.supervise`: start, serve until SIGTERM (or SIGINT),
+    drain, stop. Ray's processes stay in this process's group, never the supervisor's."""
+    if is_supervised():
+        follow_supervisor()
     data, source = read_config_data(config_path)
     cfg = parse_config(data, source)
     init_ray(cfg, address)
@@ -131,7 +137,8 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
     try:
         url = start(cfg, address, data, check_fit)
         print(bind_summary(cfg, ray.util.get_node_ip_address(),
-                           ray.get_runtime_context().gcs_address), flush=True)
+                           ray.get_runtime_context().gcs_address, urlsplit(url).port),
+              flush=True)
         print(f"pdserve is serving {cfg.model_name()} at {url}/v1 (Ctrl-C stops it)",
               flush=True)
         stop.wait()

@@ -312,10 +312,12 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
             )
-        biased = [t for t, _ in sampling_params.logit_bias if t >= vocab]
-        if biased:
-            raise InvalidRequestError(
-                f"logit_bias token id {biased[0]} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("logit_bias", [t for t, _ in sampling_params.logit_bias]),
+                          ("stop_token_ids", sampling_params.stop_token_ids)):
+            outside = [t for t in ids if t >= vocab]
+            if outside:  # a stop token the model can never sample would never stop anything
+                raise InvalidRequestError(
+                    f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})")
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -137,6 +137,9 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     # Rows with top_p == 1 skip this: float rounding can push the tail's mass past 1.
     remove |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    # A top_p below float32's smallest value (5e-324 is valid input) rounds to 0 and would
+    # remove every token; the most likely one stays whatever the rounding.
+    remove[:, 0] = False
     mask = torch.zeros_like(remove).scatter(1, sorted_ids, remove)
     return logits.masked_fill(mask, float("-inf"))
 

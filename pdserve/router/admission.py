@@ -54,7 +54,8 @@ class AdmissionGate:
 
     def _check(self, count: int) -> None:
         if self.draining:
-            raise ServiceUnavailableError("the server is shutting down; retry on another one")
+            raise ServiceUnavailableError("the server is shutting down; retry on another one",
+                                          kind="draining")
         if self.num_in_flight + count > self.max_in_flight:
             self._reject()
 
@@ -77,4 +78,4 @@ class AdmissionGate:
         raise OverloadedError(
             self.retry_after_s(),
             reason=f"{self.num_in_flight} requests in flight, the limit ({LIMIT_KEY}) is "
-                   f"{self.max_in_flight}")
+                   f"{self.max_in_flight}", kind="in_flight_limit")

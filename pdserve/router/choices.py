@@ -57,6 +57,7 @@ class ChoiceRun:
     deltas: AsyncGenerator[GenerationDelta, None]  # closed (aclose) when the choice ends
     outcome: ChoiceOutcome = field(default_factory=ChoiceOutcome)
     status: str | None = None  # set once, when the choice ended (its trace is then logged)
+    stop_reason: str | None = None  # why the server ended it early (its status then says so)
 
 
 def choice_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -23,13 +23,16 @@ class ModelNotFoundError(RouterError):
 
 
 class OverloadedError(RouterError):
-    """Queues are full; the client should retry after ``retry_after_s`` seconds."""
+    """Queues are full; the client should retry after ``retry_after_s`` seconds. ``kind``
+    names the limit that refused it (`/metrics` counts refusals by it)."""
 
-    def __init__(self, retry_after_s: float, reason: str = "the server is at capacity") -> None:
+    def __init__(self, retry_after_s: float, reason: str = "the server is at capacity",
+                 kind: str = "overloaded") -> None:
         if not math.isfinite(retry_after_s) or retry_after_s < 0:
             raise ValueError(f"retry_after_s must be a finite number >= 0, got {retry_after_s}")
         self.retry_after_s = retry_after_s
         self.reason = reason
+        self.kind = kind
         super().__init__(f"{reason}; retry after {retry_after_s:g} s")
 
     @property
@@ -39,10 +42,12 @@ class OverloadedError(RouterError):
 
 
 class ServiceUnavailableError(RouterError):
-    """No worker can take the request now (none started yet, all failed, shutting down)."""
+    """No worker can take the request now (none started yet, all failed, shutting down);
+    ``kind`` says which (`/metrics` counts refusals by it)."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, kind: str = "unavailable") -> None:
         self.reason = reason
+        self.kind = kind
         super().__init__(reason)
 
 

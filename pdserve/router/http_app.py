@@ -12,7 +12,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.router.admission import AdmissionGate
-from pdserve.router.http_errors import install_error_handlers
+from pdserve.router.admission_door import AdmissionDoor
+from pdserve.router.errors import OverloadedError, ServiceUnavailableError
+from pdserve.router.http_errors import error_response, install_error_handlers, unwrap_remote_error
 from pdserve.router.http_guard import HttpGuard, HttpGuardSettings
 from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.openapi import install_openapi
@@ -43,24 +45,25 @@ class IngressApi(Protocol):
     async def chat(self, body: bytes) -> Response: ...
     async def completion(self, body: bytes) -> Response: ...
     async def health(self) -> tuple[int, dict[str, Any]]: ...
-    def render_metrics(self) -> bytes: ...
+    async def render_metrics(self) -> bytes: ...
 
 
 def build_app(ingress: IngressApi) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible PD-disaggregated serving")
-    install_error_handlers(app, extra_exception_classes=_ray_backpressure_classes())
+    install_error_handlers(app)
+    _count_refusals(app, ingress.metrics)
+    # Middleware added last runs first: keys and body size, then admission, then routes.
+    app.add_middleware(AdmissionDoor, gate=ingress.admission, metrics=ingress.metrics)
     app.add_middleware(HttpGuard, settings=ingress.settings.http)
     install_openapi(app, ingress.settings.served_model_name, ingress.settings.http)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        ingress.admission.check_open()  # a full server refuses before the body is read
-        body = await request.body()
+        body = await request.body()  # AdmissionDoor refused a full server's before this
         return await until_disconnected(request, ingress.chat(body))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        ingress.admission.check_open()
         body = await request.body()
         return await until_disconnected(request, ingress.completion(body))
 
@@ -77,7 +80,7 @@ def build_app(ingress: IngressApi) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(ingress.render_metrics(), media_type=ingress.metrics.content_type)
+        return Response(await ingress.render_metrics(), media_type=ingress.metrics.content_type)
 
     return app
 
@@ -97,9 +100,29 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _ray_backpressure_classes() -> tuple[type[BaseException], ...]:
+def _count_refusals(app: FastAPI, metrics: PdserveMetrics) -> None:
+    """Every 429 and 503 the routes answer is counted by what refused it (these handlers
+    take precedence over `install_error_handlers`' for their classes)."""
+    ray_kinds = _ray_refusals()
+
+    async def counted(request: Request, exc: Exception) -> Response:
+        cause = unwrap_remote_error(exc)
+        kind = getattr(cause, "kind", None) or next(
+            (k for cls, k in ray_kinds.items() if isinstance(cause, cls)), "unavailable")
+        metrics.observe_refusal(kind)
+        return error_response(exc, f"{request.method} {request.url.path}")
+
+    for cls in (OverloadedError, ServiceUnavailableError, *ray_kinds):
+        app.add_exception_handler(cls, counted)
+
+
+def _ray_refusals() -> dict[type[Exception], str]:
+    """Ray's exceptions that `http_errors` answers 429 or 503, with the refusal reason each
+    counts as: a worker's own queue bound, a role Serve cannot reach, a worker that died."""
     try:
-        from ray.serve.exceptions import BackPressureError
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
     except ImportError:  # pragma: no cover - Ray is a dependency; keep the app importable
-        return ()
-    return (BackPressureError,)
+        return {}
+    return {BackPressureError: "worker_backpressure", DeploymentUnavailableError: "unavailable",
+            RayActorError: "worker_died"}

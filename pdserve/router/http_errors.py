@@ -152,6 +152,9 @@ def describe_validation_errors(errors: Sequence[Any]) -> tuple[str | None, str]:
         param = ".".join(str(p) for p in loc) or None
         first_param = first_param or param
         message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if kind == "extra_forbidden":
+            message = ("unrecognized request argument; remove it (GET /openapi.json lists "
+                       "the fields this server takes)")
         lines.append(f"{param}: {message}" if param else message)
     more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
     return first_param, "; ".join(lines) + more

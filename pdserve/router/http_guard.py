@@ -74,7 +74,7 @@ class HttpGuard:
             return
         headers = dict(scope["headers"])
         try:
-            if self.keys and self._needs_key(_route_path(scope)):
+            if self.keys and self._needs_key(route_path(scope)):
                 self.keys.check(headers.get(b"authorization"))
             _check_declared_length(headers.get(b"content-length"), self.settings.max_body_bytes)
         except (AuthenticationError, RequestTooLargeError) as exc:
@@ -100,7 +100,7 @@ class HttpGuard:
         return path != METRICS_PATH or self.settings.metrics_require_api_key
 
 
-def _route_path(scope: Scope) -> str:
+def route_path(scope: Scope) -> str:
     """The path below the app's mount point (Serve mounts an app at its route prefix)."""
     path, root = scope["path"], scope.get("root_path", "")
     if root and path.startswith(root):

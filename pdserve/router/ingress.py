@@ -6,6 +6,7 @@ A Serve deployment (see `cluster/app.py`); `http_app.build_app` gives its FastAP
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -29,8 +30,9 @@ from pdserve.router.choices import (
     merged,
 )
 from pdserve.router.delta import GenerationDelta
-from pdserve.router.errors import RequestTimeoutError, ServiceUnavailableError
+from pdserve.router.errors import OverloadedError, RequestTimeoutError, ServiceUnavailableError
 from pdserve.router.http_guard import HttpGuardSettings
+from pdserve.router.http_socket import tune_serve_http_socket
 from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.pipeline import GenerationPipeline, PipelineSettings
 from pdserve.router.prompts import Prompt, PromptBuilder
@@ -44,13 +46,17 @@ from pdserve.router.protocol import (
 )
 from pdserve.router.responses import ResponseContext, StreamWriter, whole_response
 from pdserve.router.roles import RoleMonitor, serve_replica_counts
-from pdserve.router.sse import DONE_EVENT, EventStreamResponse, error_event
+from pdserve.router.sse import DONE_EVENT, error_event
+from pdserve.router.stalls import StallSettings, StallWatch, WatchedEventStream, WatchedStream
 from pdserve.router.timings import RequestTrace, time_per_output_token_ms
 from pdserve.router.token_plane import TokenPlane
 
 logger = logging.getLogger("pdserve.requests")  # one JSON line per request
 
 DRAINED_MESSAGE = "the server is shutting down and stopped this generation; retry"
+# How long a scrape waits for the roles' first load reports (Serve delivers them within about
+# two report periods of the role monitor's start).
+FIRST_LOADS_WAIT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,7 @@ class IngressSettings:
     pipeline: PipelineSettings
     plane_token: str  # the cluster's token: decode replicas prove they hold it
     http: HttpGuardSettings
+    stalls: StallSettings
 
 
 class Ingress:
@@ -70,6 +77,7 @@ class Ingress:
 
     def __init__(self, decode: Any, prefill: Any | None, settings: IngressSettings) -> None:
         configure_logging()
+        tune_serve_http_socket()  # before Serve binds this replica's HTTP port
         self.settings = settings
         self.tokenizer = Tokenizer.from_checkpoint(settings.model_path)
         self.prompts = PromptBuilder(self.tokenizer, settings.max_model_len,
@@ -83,6 +91,7 @@ class Ingress:
                                            self.roles)
         self.admission = AdmissionGate(settings.max_in_flight_requests)
         self.metrics = PdserveMetrics()
+        self.stalls = StallWatch(self.plane.subscription, settings.stalls)
         # Deadlines of the generations in flight; a drain pulls them in.
         self._deadlines: set[asyncio.Timeout] = set()
         self._drained = False
@@ -133,15 +142,18 @@ class Ingress:
         except asyncio.CancelledError:  # the client left
             await self._end_all(runs, "cancelled")
             raise
-        except BaseException:
-            await self._end_all(runs, "error")
+        except BaseException as exc:
+            await self._end_all(runs, "rejected" if isinstance(exc, OverloadedError) else "error")
             raise
         for run, first in zip(runs, firsts, strict=True):
             run.outcome.record(first, time.monotonic())
         if req.stream:
             writer = StreamWriter(ctx, len(runs), self.tokenizer)
-            return EventStreamResponse(self._sse(writer, runs, firsts),
-                                       lambda: self._end_all(runs, "cancelled"))
+            watched = WatchedStream([run.trace.timings.request_id for run in runs],
+                                    lambda: self._stop_as(runs, "stalled"))
+            return WatchedEventStream(self._sse(writer, runs, firsts),
+                                      lambda: self._end_all(runs, "cancelled"), self.stalls,
+                                      watched)
         try:
             await gather_or_cancel([self._drain(run) for run in runs])
         except asyncio.CancelledError:
@@ -205,13 +217,20 @@ class Ingress:
         async for delta in self._timed(run.deltas, run.trace):
             run.outcome.record(delta, time.monotonic())
 
+    @staticmethod
+    def _stop_as(runs: list[ChoiceRun], reason: str) -> None:
+        """The server is about to end these choices (see `stalls.py`): whatever ends them
+        then records ``reason`` as their status."""
+        for run in runs:
+            run.stop_reason = run.stop_reason or reason
+
     async def _end_all(self, runs: list[ChoiceRun], status: str) -> None:
         """End every choice not ended yet: close its stream (the workers stop), log it."""
         for run in runs:
             if run.status is None:
-                run.status = status
+                run.status = run.stop_reason or status
                 await run.deltas.aclose()
-                self._finish(run.trace, run.outcome, status)
+                self._finish(run.trace, run.outcome, run.status)
 
     async def _next(self, deltas: AsyncIterator[GenerationDelta],
                     trace: RequestTrace) -> GenerationDelta:
@@ -235,16 +254,18 @@ class Ingress:
 
     def _deadline(self, trace: RequestTrace) -> _Deadline:
         remaining = self.settings.request_timeout_s - trace.ms_since_start() / 1000.0
-        return _Deadline(self, max(remaining, 0.001))
+        return _Deadline(self, max(remaining, 0.001), trace)
 
     def _timeout_error(self, deadline: _Deadline,
                        stage: str) -> RequestTimeoutError | ServiceUnavailableError:
         if deadline.drained:
-            return ServiceUnavailableError(DRAINED_MESSAGE)
+            return ServiceUnavailableError(DRAINED_MESSAGE, kind="draining")
         return RequestTimeoutError(self.settings.request_timeout_s, stage)
 
     def _finish(self, trace: RequestTrace, outcome: ChoiceOutcome, status: str) -> None:
         self.admission.leave()
+        if trace.deadline_passed and status != "ok":
+            status = "timeout"
         trace.update(
             status=status, finish_reason=outcome.finish_reason if status == "ok" else None,
             num_output_tokens=outcome.num_output_tokens, e2e_ms=trace.ms_since_start(),
@@ -293,7 +314,13 @@ class Ingress:
                          "replicas": self.roles.counts}
         return 200, {"status": "ok", "replicas": self.roles.counts}
 
-    def render_metrics(self) -> bytes:
+    async def render_metrics(self) -> bytes:
+        """The metrics, with every role's load: a replica that just started (or restarted)
+        starts watching the roles at its first scrape and waits briefly for their loads."""
+        if self.roles is not None:
+            self.roles.start()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.roles.loads_known.wait(), FIRST_LOADS_WAIT_S)
         loads = self.roles.loads() if self.roles is not None else []
         return self.metrics.render(loads, self.admission.num_in_flight)
 
@@ -323,9 +350,10 @@ class _Deadline:
     """A generation's deadline (`asyncio.timeout`), registered with the ingress so that a
     drain can bring it forward; ``drained`` tells the two endings apart."""
 
-    def __init__(self, ingress: Ingress, delay_s: float) -> None:
+    def __init__(self, ingress: Ingress, delay_s: float, trace: RequestTrace) -> None:
         self._ingress = ingress
         self._timeout = asyncio.timeout(delay_s)
+        self._trace = trace
         self.drained = False
 
     async def __aenter__(self) -> _Deadline:
@@ -338,4 +366,6 @@ class _Deadline:
     async def __aexit__(self, *exc: Any) -> bool | None:
         self._ingress._deadlines.discard(self._timeout)
         self.drained = self._ingress._drained
+        if self._timeout.expired() and not self.drained:
+            self._trace.deadline_passed = True
         return await self._timeout.__aexit__(*exc)

@@ -22,6 +22,11 @@ TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64
 # 4 KiB (one tiny block) to 4 GiB (a long prompt of a large model), x4 steps.
 BYTES_BUCKETS = tuple(float(4 ** k * 1024) for k in range(1, 12))
 NO_PATH_LABEL = "none"
+# Why requests were answered 429 or 503 instead of being served (`OverloadedError.kind`,
+# `ServiceUnavailableError.kind`); listed so that each shows from the first scrape, at 0.
+REFUSAL_REASONS = ("in_flight_limit", "kv_cache_full", "draining", "no_decode_replica",
+                   "decode_gone", "worker_died", "unavailable", "overloaded",
+                   "worker_backpressure")
 
 # (metric suffix, RequestTimings field in ms, help) of the unlabeled stage histograms.
 _STAGES = (
@@ -79,6 +84,11 @@ class PdserveMetrics:
                                   "gone, decode prefilled).", ["reason"], registry=r)
         self._handoff_failures = Counter("pdserve:handoff_failures", "KV handoffs that failed, "
                                          "by what failed.", ["reason"], registry=r)
+        self._refused = Counter("pdserve:requests_refused", "Requests answered 429 or 503 "
+                                "instead of being served, by the limit or state that refused "
+                                "them.", ["reason"], registry=r)
+        for reason in REFUSAL_REASONS:
+            self._refused.labels(reason=reason)
         self._in_flight = Gauge("pdserve:num_requests_in_flight", "Requests this ingress "
                                 "admitted that have not finished (n choices count n), against "
                                 "router.max_in_flight_requests.", registry=r)
@@ -113,6 +123,9 @@ class PdserveMetrics:
         self._prefill_computed.inc(timings.num_prefill_tokens_computed)
         self._prompt_tokens.inc(timings.num_prompt_tokens)
         self._output_tokens.inc(timings.num_output_tokens)
+
+    def observe_refusal(self, reason: str) -> None:
+        self._refused.labels(reason=reason).inc()
 
     def observe_token_gaps(self, path: str | None, gaps_s: Sequence[float]) -> None:
         histogram = self._itl.labels(path=path or NO_PATH_LABEL)

@@ -54,7 +54,8 @@ class GenerationPipeline:
         """The request's path, and why it is not the planned one (None: it is)."""
         missing = self.roles.missing() if self.roles is not None else []
         if "decode" in missing:
-            raise ServiceUnavailableError("no decode replica is running; retry shortly")
+            raise ServiceUnavailableError("no decode replica is running; retry shortly",
+                                          kind="no_decode_replica")
         if self.settings.mode == "colocated" or self.prefill is None:
             return "colocated", None
         if num_prompt_tokens < self.settings.min_disaggregated_prompt_tokens:
@@ -138,7 +139,8 @@ class GenerationPipeline:
         try:
             ticket = await call.next_event()
         except DecodeCapacityError as exc:
-            raise OverloadedError(1.0, reason=str(exc).splitlines()[-1]) from exc
+            raise OverloadedError(1.0, reason=str(exc).splitlines()[-1],
+                                  kind="kv_cache_full") from exc
         assert isinstance(ticket, KVTicket), ticket
         trace.update(decode_reserve_ms=(time.monotonic() - reserve_start) * 1000.0)
         prefill_call = self.prefill.prefill.remote(  # type: ignore[union-attr]

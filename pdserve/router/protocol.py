@@ -1,6 +1,6 @@
 """OpenAI-compatible request schemas (chat and text completions) and their engine parameters.
 
-Unknown fields are ignored (clients send extras); known fields of the wrong type are refused.
+Unknown top-level fields are refused, as OpenAI refuses them; known fields of the wrong type too.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ MAX_COMPLETION_LOGPROBS = 5
 
 
 class _Request(BaseModel):
-    # strict: "5" is not 5 and 1 is not true; extra="ignore": OpenAI clients send fields we
-    # do not use (metadata, store, ...), and refusing them would break those clients.
+    # strict: "5" is not 5 and 1 is not true. Parts of a request (messages, stream_options)
+    # ignore keys they do not know: clients echo back what earlier answers carried.
     model_config = ConfigDict(extra="ignore", strict=True, frozen=True)
 
 
@@ -99,7 +99,11 @@ class StreamOptions(_Request):
 
 
 class _SamplingRequest(_Request):
-    """Fields chat and text completions share."""
+    """Fields chat and text completions share. A top-level field this server does not know
+    is refused (400 naming it), as OpenAI does: a misspelt `max_token` would otherwise be
+    dropped without a word."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
     model: str = Field(description="Served model name; see GET /v1/models.")
     max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
@@ -112,9 +116,14 @@ class _SamplingRequest(_Request):
     stop_token_ids: list[int] | None = Field(None, description="Extension: stop on these ids.")
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices to generate for the prompt.")
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
     ignore_eos: bool = Field(False, description="Extension: keep generating past end-of-sequence.")
-    user: str | None = None
+    user: str | None = Field(None, description="Accepted and ignored.")
+    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
+    store: bool | None = Field(None, description="Accepted and ignored (nothing is stored).")
+    service_tier: str | None = Field(None, description="Accepted and ignored.")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no "
+                                             "tools are called).")
     presence_penalty: float | None = Field(
         None, ge=-MAX_PENALTY, le=MAX_PENALTY,
         description="Lowers the logit of every token generated so far, once.")
@@ -127,6 +136,15 @@ class _SamplingRequest(_Request):
         False, description="Extension: return each choice's server-side stage timings "
         "(queue, prefill, handoff, first token, ...) as `pdserve_timings`, in the response or "
         "in a last chunk before [DONE].")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, value: StreamOptions | None,
+                               info: ValidationInfo) -> StreamOptions | None:
+        # `stream` is declared first, so it is already in info.data when valid.
+        if value is not None and not info.data.get("stream", False):
+            raise ValueError("stream_options is only allowed with stream: true")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -179,6 +197,18 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = Field(None, description="Unsupported unless empty.")
+    response_format: dict[str, Any] | None = Field(
+        None, description="Only {\"type\": \"text\"}, the default: structured output "
+        "(json_object, json_schema) is not supported.")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(f"response_format type {value.get('type')!r} is not supported: "
+                             "this server answers with free text only; omit response_format "
+                             "or send {\"type\": \"text\"}")
+        return value
 
     @field_validator("tools")
     @classmethod

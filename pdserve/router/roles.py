@@ -53,6 +53,7 @@ class RoleMonitor:
         self._loads: list[ReplicaLoad] = []
         self._task: asyncio.Task[None] | None = None
         self.refreshed = asyncio.Event()
+        self.loads_known = asyncio.Event()  # set once every role reported a replica's load
         self._dead_since: dict[str, float] = {}
         self._gone = {role: asyncio.Event() for role in self.handles}
         self._unreadable: set[str] = set()  # roles whose loads Serve's handle does not show
@@ -108,6 +109,8 @@ class RoleMonitor:
         self._loads = [load for role in self.handles if counts.get(role)
                        for load in self._reported(role)]
         self.refreshed.set()
+        if {load.role for load in self._loads} | self._unreadable >= set(self.handles):
+            self.loads_known.set()
 
     def _reported(self, role: str) -> list[ReplicaLoad]:
         try:

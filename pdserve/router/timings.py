@@ -13,11 +13,12 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 RequestPath = Literal["disaggregated", "local_prefill", "colocated", "recompute_fallback"]
-RequestStatus = Literal["ok", "error", "cancelled", "timeout", "rejected"]
+RequestStatus = Literal["ok", "error", "cancelled", "timeout", "rejected", "stalled"]
 
 REQUEST_PATHS: frozenset[str] = frozenset(
     ("disaggregated", "local_prefill", "colocated", "recompute_fallback"))
-REQUEST_STATUSES: frozenset[str] = frozenset(("ok", "error", "cancelled", "timeout", "rejected"))
+REQUEST_STATUSES: frozenset[str] = frozenset(
+    ("ok", "error", "cancelled", "timeout", "rejected", "stalled"))
 LOG_EVENT = "pdserve.request"
 
 
@@ -110,6 +111,9 @@ class RequestTrace:
     def __init__(self, request_id: str, started: float | None = None) -> None:
         self.started = time.monotonic() if started is None else started
         self.timings = RequestTimings(request_id=request_id)
+        # The request's deadline passed while it ran: however it then ended (an error, or a
+        # cancellation that reached the task while it was sending), it ended by timing out.
+        self.deadline_passed = False
 
     def update(self, **changes: Any) -> None:
         self.timings = self.timings.with_(**changes)

@@ -32,7 +32,8 @@ class DecodeGoneError(ServiceUnavailableError):
     """The decode replica streaming a request's tokens went away mid-generation."""
 
     def __init__(self) -> None:
-        super().__init__("the decode worker serving this request stopped; retry it")
+        super().__init__("the decode worker serving this request stopped; retry it",
+                         kind="decode_gone")
 
 
 @dataclass
@@ -84,6 +85,11 @@ class TokenSubscription:
     def num_pending(self) -> int:
         return len(self._entries)
 
+    def pending_bytes(self) -> int:
+        """About how many bytes the entries waiting for the reader hold (counted on demand:
+        the stall watch asks only of subscriptions whose reader lags)."""
+        return sum(entry_bytes(entry) for entry in self._entries)
+
     async def next(self) -> GenerationDelta:
         """Everything that arrived since the last call, merged, once there is something (the
         last delta has ``finished``); a failure is raised after what arrived before it."""
@@ -98,6 +104,18 @@ class TokenSubscription:
         entries, self._entries = self._entries, []
         self.last_taken_at = time.monotonic()
         return merge_entries(entries)
+
+
+# Per entry, per token and per logprob (a token's or an alternative's): what they take on the
+# wire, as an estimate of what a stream's unsent output holds.
+_ENTRY_BYTES, _TOKEN_BYTES, _LOGPROB_BYTES = 32, 8, 16
+
+
+def entry_bytes(entry: Entry) -> int:
+    size = _ENTRY_BYTES + len(entry[2].encode()) + _TOKEN_BYTES * len(entry[1])
+    for _, _, top in entry[6] or ():
+        size += _LOGPROB_BYTES * (1 + len(top))
+    return size
 
 
 def merge_entries(entries: list[Entry]) -> GenerationDelta:
@@ -154,6 +172,9 @@ class TokenPlane:
 
     def subscriptions(self) -> list[TokenSubscription]:
         return list(self._subs.values())
+
+    def subscription(self, request_id: str) -> TokenSubscription | None:
+        return self._subs.get(request_id)
 
     async def close(self) -> None:
         if self._server is not None:

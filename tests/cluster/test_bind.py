@@ -32,6 +32,14 @@ def test_cluster_config_names_its_addresses_and_a_missing_key(
     assert "without http.api_keys" not in bind_summary(cfg, "10.0.0.5", "10.0.0.5:6379")
 
 
+def test_the_line_names_the_port_actually_served() -> None:
+    cfg = load_config(CONFIGS / "local.yaml")
+    assert bind_summary(cfg, "127.0.0.1", "x", http_port=8000).startswith(
+        "pdserve binds HTTP 127.0.0.1:8000, Ray node")
+    assert bind_summary(cfg, "127.0.0.1", "x", http_port=8003).startswith(
+        "pdserve binds HTTP 127.0.0.1:8003 (not http.port 8000, which was taken), Ray node")
+
+
 def test_private_ray_environment_must_come_before_ray() -> None:
     import ray  # noqa: F401 - the state under test: Ray already imported
 

@@ -305,6 +305,14 @@ BAD_BODIES = [
                 ).encode(), 400),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                  "logit_bias": {"999999": 5}}).encode(), 400),  # beyond the vocabulary (engine)
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "stop_token_ids": [999999]}).encode(), 400),  # beyond the vocabulary (engine)
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "stream_options": {"include_usage": True}}).encode(), 400),  # without stream
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "response_format": {"type": "json_object"}}).encode(), 400),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                 "max_token": 4}).encode(), 400),  # an unknown field
 ]
 
 

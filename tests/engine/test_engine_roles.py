@@ -12,6 +12,7 @@ import torch
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.request import RequestMode
 from pdserve.engine.sampling_params import SamplingParams
@@ -121,6 +122,32 @@ def test_seeds_reproduce_and_differ(loaded, tiny_checkpoints) -> None:
     c = e.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0, seed=2))
     assert a[0] == b  # same seed, different batch company: same tokens
     assert a != c
+
+
+def test_every_bit_of_a_seed_counts(loaded, tiny_checkpoints) -> None:
+    """Seeds that differ only above bit 31 (torch's CPU generator keeps 32 bits of what it is
+    seeded with) or only in bit 63 draw different tokens."""
+    e = engine(loaded, tiny_checkpoints["qwen2"])
+    prompt = list(range(200, 230))
+    seeds = (7, 7 + 2**32, 7 + 2**63)
+    drawn = [tuple(e.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0,
+                                                       seed=seed, ignore_eos=True))[0])
+             for seed in seeds]
+    assert len(set(drawn)) == len(seeds), drawn
+    again = e.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=7 + 2**63,
+                                                ignore_eos=True))[0]
+    assert tuple(again) == drawn[2]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(loaded, tiny_checkpoints) -> None:
+    e = engine(loaded, tiny_checkpoints["qwen2"])
+    vocab = loaded.config.vocab_size
+    for params, name in ((SamplingParams(stop_token_ids=(3, vocab)), "stop_token_ids"),
+                         (SamplingParams(logit_bias=((vocab + 5, 1.0),)), "logit_bias")):
+        with pytest.raises(InvalidRequestError, match=f"{name} token id .* outside the "
+                           f"vocabulary \\[0, {vocab}\\)"):
+            e.add_request("r", [1, 2, 3], params)
+    assert not e.has_unfinished_requests()
 
 
 def test_stop_string_truncates_and_is_never_streamed(loaded, tiny_checkpoints) -> None:

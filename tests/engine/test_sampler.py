@@ -142,6 +142,8 @@ def test_empirical_distribution_matches_the_softmax(params: SamplingParams) -> N
         SamplingParams(temperature=1.5, top_k=1, seed=3),
         SamplingParams(temperature=1.5, top_p=1e-6, seed=3),
         SamplingParams(temperature=1.5, top_k=5, top_p=1e-6, seed=3),
+        # the smallest positive double: 0 in float32, where the nucleus is computed
+        SamplingParams(temperature=1.5, top_p=5e-324, seed=3),
     ],
 )
 def test_top_k_one_and_tiny_top_p_equal_greedy(params: SamplingParams) -> None:

@@ -1,10 +1,12 @@
 """The edge under pressure: overload at 4x the admission bound gets only fast 429s and 200s,
-one huge body freezes nobody, and a client leaving early is a cancellation, not an error."""
+a burst of 500 gets only 200s and pdserve's own counted 429s while /health answers, one huge
+body freezes nobody, and a client leaving early is a cancellation, not an error."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -13,6 +15,7 @@ import httpx
 import numpy as np
 import pytest
 
+from tests.support import raw_http
 from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
@@ -83,6 +86,81 @@ def test_overload_at_4x_the_bound_answers_fast_429s_and_keeps_admitted_latency(
     assert p99_admitted <= 2 * p99_unloaded
     assert httpx.get(f"{edge_app}/health", timeout=10).status_code == 200
     ray_serve.wait_all_free("edge")
+
+
+BURST = 500
+BURST_LIMIT = 16
+
+
+@pytest.fixture(scope="module")
+def burst_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
+    from tests.support.ray_serve import app_config
+
+    with ray_serve.deploy("burst", app_config(tiny_checkpoints["llama"], "colocated",
+                                              max_in_flight_requests=BURST_LIMIT)) as url:
+        yield url
+
+
+def _counter(text: str, name: str, label: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(f"pdserve:{name}{{") and label in line)
+
+
+def _poll_health(url: str, stop: threading.Event, polls: list[tuple[int, float]]) -> None:
+    """Poll /health from a thread of its own until ``stop``: (status, latency) each."""
+    async def run() -> None:
+        while not stop.is_set():
+            r = await raw_http.fetch(url, "/health")
+            polls.append((r.status, r.latency_s))
+            await asyncio.sleep(0.02)
+
+    asyncio.run(run())
+
+
+async def _burst(url: str) -> list[raw_http.RawResponse]:
+    """BURST streams sent at once over bare sockets (a full client's own cost would be most
+    of what is measured)."""
+    body = {**BODY, "stream": True, "max_tokens": 48}
+    return list(await asyncio.gather(*[raw_http.fetch(url, "/v1/chat/completions", body)
+                                       for _ in range(BURST)]))
+
+
+def test_a_burst_of_500_gets_only_200s_and_counted_json_429s_and_health_never_waits(
+        ray_serve: ServedApps, burst_app: str) -> None:
+    before = httpx.get(f"{burst_app}/metrics", timeout=10).text
+    stop, polls = threading.Event(), []
+    poller = threading.Thread(target=_poll_health, args=(burst_app, stop, polls))
+    poller.start()
+    try:
+        results = asyncio.run(_burst(burst_app))
+    finally:
+        stop.set()
+        poller.join(30)
+    statuses = [r.status for r in results]
+    assert set(statuses) <= {200, 429}, {s: statuses.count(s) for s in set(statuses)}
+    admitted = [r for r in results if r.status == 200]
+    rejected = [r for r in results if r.status == 429]
+    assert len(admitted) >= BURST_LIMIT and rejected
+    assert all(r.body.endswith(b"data: [DONE]\n\n") for r in admitted)
+    for r in rejected:  # pdserve's own answer, never Serve's text/plain
+        assert r.headers["content-type"] == "application/json", r
+        assert json.loads(r.body)["error"]["code"] == "overloaded"
+        assert int(r.headers["retry-after"]) >= 1
+    assert polls and {status for status, _ in polls} == {200}, polls
+    after = httpx.get(f"{burst_app}/metrics", timeout=10).text
+    refused = (_counter(after, "requests_refused_total", 'reason="in_flight_limit"')
+               - _counter(before, "requests_refused_total", 'reason="in_flight_limit"'))
+    served = (_counter(after, "requests_total", 'status="ok"')
+              - _counter(before, "requests_total", 'status="ok"'))
+    assert (refused, served) == (len(rejected), len(admitted))
+    ms = {name: np.percentile([r.latency_s for r in group], [50, 99]) * 1000
+          for name, group in (("429", rejected), ("200", admitted))}
+    health_p99 = float(np.percentile([lat for _, lat in polls], 99)) * 1000
+    print(f"burst of {BURST} against {BURST_LIMIT}: {len(admitted)} x 200, {len(rejected)} x "
+          f"429 (all JSON, all counted); 429 p50 {ms['429'][0]:.0f} ms, p99 {ms['429'][1]:.0f} "
+          f"ms; 200 p99 {ms['200'][1]:.0f} ms; /health {len(polls)} polls, all 200, p99 "
+          f"{health_p99:.0f} ms")
+    ray_serve.wait_all_free("burst")
 
 
 def test_a_huge_body_is_refused_by_its_length_and_freezes_nobody(edge_app: str) -> None:

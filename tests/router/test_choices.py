@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from contextlib import suppress
 
 import pytest
@@ -14,13 +13,8 @@ from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from pdserve.router.admission import AdmissionGate
 from pdserve.router.choices import choice_params, gather_or_cancel, merged
-from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import OverloadedError
-from pdserve.router.http_guard import HttpGuardSettings
-from pdserve.router.ingress import Ingress, IngressSettings
-from pdserve.router.pipeline import PipelineSettings
-from pdserve.router.prefill_load import LocalPrefillPolicy
-from pdserve.router.timings import RequestTrace
+from tests.router.ingress_stand_in import RecordingPipeline, ingress_with
 
 
 def test_choice_seeds_move_on_by_the_index_and_wrap() -> None:
@@ -114,42 +108,9 @@ def test_gather_or_cancel_cancels_the_rest_on_a_failure() -> None:
     assert asyncio.run(run()) == ["waits"]
 
 
-class _RecordingPipeline:
-    """Stands in for the workers: each choice yields one token and finishes, or (``hang``)
-    one token and then nothing until closed."""
-
-    def __init__(self, hang: bool = False) -> None:
-        self.calls: list[tuple[str, int | None]] = []
-        self.closed: list[str] = []
-        self.hang = hang
-
-    async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
-                       trace: RequestTrace, stream: bool = True,
-                       ) -> AsyncIterator[GenerationDelta]:
-        self.calls.append((request_id, params.seed))
-        trace.update(path="colocated", num_prompt_tokens=len(ids))
-        try:
-            yield GenerationDelta(f"<{request_id}>", [1], finished=not self.hang,
-                                  finish_reason=None if self.hang else "length")
-            if self.hang:
-                await asyncio.Event().wait()
-        finally:
-            self.closed.append(request_id)
-
-
-def _ingress(checkpoint: str, pipeline: _RecordingPipeline) -> Ingress:
-    paths = PipelineSettings("colocated", 16, LocalPrefillPolicy(0, 0))
-    http = HttpGuardSettings(max_body_bytes=4 << 20, api_keys=(), metrics_require_api_key=True)
-    settings = IngressSettings(checkpoint, "tiny", 256, 8, 30.0, paths,
-                               plane_token="a-cluster-token-0123456789", http=http)
-    ingress = Ingress(decode=None, prefill=None, settings=settings)
-    ingress.pipeline = pipeline  # type: ignore[assignment]
-    return ingress
-
-
 def test_each_choice_runs_under_its_own_id_and_seed(tiny_checkpoints: dict[str, str]) -> None:
-    pipeline = _RecordingPipeline()
-    ingress = _ingress(tiny_checkpoints["llama"], pipeline)
+    pipeline = RecordingPipeline()
+    ingress = ingress_with(tiny_checkpoints["llama"], pipeline)
     body = json.dumps({"model": "tiny", "prompt": "hi", "n": 3, "seed": 5, "max_tokens": 1})
     response = asyncio.run(ingress.completion(body.encode()))
     data = json.loads(bytes(response.body))
@@ -165,8 +126,8 @@ def test_a_client_gone_before_the_first_chunk_still_ends_every_choice(
     """Starlette never starts a stream's body when the client leaves while the headers go
     out (2.4: the send fails; 2.0: the disconnect wins the race): the choices must still be
     closed (the workers stop) and their admission returned."""
-    pipeline = _RecordingPipeline(hang=True)
-    ingress = _ingress(tiny_checkpoints["llama"], pipeline)
+    pipeline = RecordingPipeline(hang=True)
+    ingress = ingress_with(tiny_checkpoints["llama"], pipeline)
     body = json.dumps({"model": "tiny", "prompt": "hi", "n": 2, "stream": True})
 
     async def run() -> None:

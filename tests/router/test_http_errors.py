@@ -104,6 +104,11 @@ def test_missing_messages_names_the_param(client: TestClient) -> None:
      "n", "less than or equal to 16"),
     ({"messages": [{"role": "user", "content": "x"}], "model": SERVED, "temperature": "1"},
      "temperature", "valid number"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": SERVED, "max_token": 5},
+     "max_token", "max_token: unrecognized request argument; remove it"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": SERVED,
+      "stream_options": {"include_usage": True}},
+     "stream_options", "only allowed with stream: true"),
 ])
 def test_bad_fields_are_400_with_param(client: TestClient, body: dict[str, object], param: str,
                                        fragment: str) -> None:

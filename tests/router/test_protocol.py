@@ -47,10 +47,23 @@ def test_minimal_chat_request_and_defaults() -> None:
     assert params == SamplingParams(max_tokens=77, temperature=1.0, top_p=1.0)
 
 
-def test_unknown_fields_are_ignored() -> None:
-    req = parse_request(ChatCompletionRequest,
-                        json.dumps(chat(metadata={"a": 1}, store=False, service_tier="auto")))
-    assert not hasattr(req, "metadata")
+def test_openai_fields_that_change_nothing_are_accepted() -> None:
+    req = parse_request(ChatCompletionRequest, json.dumps(chat(
+        metadata={"a": "1"}, store=False, service_tier="auto", user="u",
+        parallel_tool_calls=False, response_format={"type": "text"})))
+    assert to_sampling_params(req, 10) == to_sampling_params(
+        parse_request(ChatCompletionRequest, json.dumps(chat())), 10)
+
+
+@pytest.mark.parametrize("cls", [ChatCompletionRequest, CompletionRequest])
+def test_unknown_top_level_fields_are_refused_by_name(cls: type[Any]) -> None:
+    body = chat(max_token=5) if cls is ChatCompletionRequest else {"model": "m", "prompt": "x",
+                                                                   "max_token": 5}
+    [(loc, msg)] = errors_of(cls, body)
+    assert loc == ("max_token",) and "Extra inputs" in msg
+    # Parts of a request keep ignoring keys they do not know (clients echo answers back).
+    parse_request(ChatCompletionRequest, json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi", "refusal": None}]}))
 
 
 def test_text_parts_are_joined_and_other_parts_refused() -> None:
@@ -84,13 +97,14 @@ def test_single_stop_string_and_vllm_style_top_k_off() -> None:
     assert (params.stop, params.top_k) == (("###",), 0)
 
 
-def test_include_usage_needs_stream() -> None:
+def test_stream_options_need_a_stream() -> None:
     req = parse_request(ChatCompletionRequest, json.dumps(
         chat(stream=True, stream_options={"include_usage": True})))
     assert req.include_usage
-    req = parse_request(ChatCompletionRequest, json.dumps(
-        chat(stream_options={"include_usage": True})))
-    assert not req.include_usage
+    for body in (chat(stream_options={"include_usage": True}),
+                 chat(stream=False, stream_options={"include_usage": False})):
+        [(loc, msg)] = errors_of(ChatCompletionRequest, body)
+        assert loc == ("stream_options",) and "only allowed with stream: true" in msg
 
 
 @pytest.mark.parametrize(("body", "loc", "fragment"), [
@@ -125,6 +139,10 @@ def test_include_usage_needs_stream() -> None:
     (chat(logit_bias={"1": "big"}), ("logit_bias", "1"), "valid number"),
     (chat(tools=[{"type": "function"}]), ("tools",), "not supported"),
     (chat(seed=2**70), ("seed",), "less than or equal to"),
+    (chat(response_format={"type": "json_object"}), ("response_format",),
+     "type 'json_object' is not supported"),
+    (chat(response_format={"type": "json_schema", "json_schema": {}}), ("response_format",),
+     "omit response_format or send"),
 ])
 def test_chat_validation_names_the_field(body: dict[str, Any], loc: tuple[Any, ...],
                                          fragment: str) -> None:

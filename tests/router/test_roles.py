@@ -121,3 +121,25 @@ def test_replica_death_is_told_apart_from_other_failures() -> None:
 
     assert replica_died(ActorDiedError("gone"))
     assert not replica_died(ValueError("bad input"))
+
+
+def test_loads_are_known_once_every_role_reported() -> None:
+    async def run() -> None:
+        prefill, decode = _Role("prefill"), _Role("decode")
+        prefill.reports, counts = [], {"prefill": 0, "decode": 1}
+
+        async def source() -> dict[str, int]:
+            return dict(counts)
+
+        monitor = RoleMonitor({"prefill": prefill, "decode": decode}, source,
+                              routing_stats=_stats)
+        await monitor.poll()  # decode reported; prefill has no replica (yet)
+        assert monitor.refreshed.is_set() and not monitor.loads_known.is_set()
+        counts["prefill"] = 1
+        await monitor.poll()  # its replica runs but has not reported yet
+        assert not monitor.loads_known.is_set()
+        prefill.reports = [("prefill-0", LOAD.to_stats())]
+        await monitor.poll()
+        assert monitor.loads_known.is_set()
+
+    asyncio.run(run())
