@@ -77,12 +77,13 @@ def test_a_killed_ingress_serves_its_port_again_three_times_under_traffic(
         try:
             for _ in range(RESTARTS):
                 served = traffic.outcomes["200"]
-                wait_for(lambda: traffic.outcomes["200"] >= served + 5, 60, "traffic to flow")
+                wait_for(lambda served=served: traffic.outcomes["200"] >= served + 5, 60,
+                         "traffic to flow")
                 [old] = ingress_pids(server)
                 killed_at = time.monotonic()
                 os.kill(old, signal.SIGKILL)
 
-                def back() -> bool:
+                def back(old: int = old) -> bool:
                     pids = ingress_pids(server)
                     return pids not in ([], [old]) and server.health() == 200
 

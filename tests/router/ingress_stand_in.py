@@ -40,8 +40,11 @@ class RecordingPipeline:
             self.closed.append(request_id)
 
 
+STALLS = StallSettings(5.0, 8 << 20)
+
+
 def ingress_with(checkpoint: str, pipeline: RecordingPipeline, request_timeout_s: float = 30.0,
-                 stalls: StallSettings = StallSettings(5.0, 8 << 20)) -> Ingress:
+                 stalls: StallSettings = STALLS) -> Ingress:
     """An ingress admitting 8 generations at once, its pipeline replaced by ``pipeline``."""
     paths = PipelineSettings("colocated", 16, LocalPrefillPolicy(0, 0))
     http = HttpGuardSettings(max_body_bytes=4 << 20, api_keys=(), metrics_require_api_key=True)
