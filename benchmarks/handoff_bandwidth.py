@@ -222,6 +222,7 @@ def measure_pair(sizes: list[int], reps: int) -> dict[str, Rates]:
     processes, alternating per repetition so the machine's drift hits all three alike."""
     from _common import role_pair, transfer_block_ids
 
+    from pdserve.engine.kv_layout import KVSlice
     from pdserve.handoff import HandoffConfig
     from pdserve.handoff.plan import plan_pieces
 
@@ -234,9 +235,9 @@ def measure_pair(sizes: list[int], reps: int) -> dict[str, Rates]:
         address, host = receiver.recv()
         for size in sizes:
             defaults = HandoffConfig(**BENCH_CONFIG)
-            plan = plan_pieces(bench_layout(), size, defaults.min_piece_bytes,
-                               defaults.max_piece_bytes)
-            piece_sizes = [spec.nbytes(bench_layout()) for spec in plan]
+            kv = KVSlice.whole(bench_layout())
+            plan = plan_pieces(kv, size, defaults.min_piece_bytes, defaults.max_piece_bytes)
+            piece_sizes = [spec.nbytes(kv) for spec in plan]
             timings: dict[str, list[float]] = {name: [] for name in names}
             for rep in range(reps + 1):  # the first run warms staging pools and links
                 for name in names:

@@ -108,11 +108,12 @@ def build_from_config(cfg: PdserveConfig) -> Application:
 def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: HandoffConfig | None,
                       prefill_handoff: HandoffConfig | None, token: str) -> Application:
     """The wiring itself, with each role's handoff settings given (tests give them apart)."""
+    model = ModelConfig.from_checkpoint(model_path)
+    cfg.check_parallelism(model)
     engine_config = cfg.to_engine_config(model_path)
     # The worker fills in its own address.
     kv_store = cfg.kv_store.client_settings("") if cfg.kv_store.enabled else None
-    max_model_len = max_model_len_for(ModelConfig.from_checkpoint(model_path),
-                                      cfg.model.max_model_len)
+    max_model_len = max_model_len_for(model, cfg.model.max_model_len)
     decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
         engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s, node_ip, kv_store)
     prefill = None

@@ -42,6 +42,7 @@ from pdserve.cluster.config_sections import (
 )
 from pdserve.cluster.kv_store_section import KVStoreSection
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel.shard import TPSplitError, check_tp_fits
 
 if TYPE_CHECKING:
     from pdserve.engine.cpu_affinity import CpuAffinity
@@ -126,16 +127,16 @@ class PdserveConfig(Section):
         roles = self.role_configs()
         if capacity is None:
             return ReplicaPlan(tuple(RolePlan(name, role.replicas or 0,
-                                              role.resources.to_replica_resources())
+                                              role.replica_resources())
                                      for name, role in roles.items()))
         resource: DividedResource = "GPU" if capacity.total_gpus is not None else "CPU"
         total = capacity.total_gpus if capacity.total_gpus is not None else capacity.total_cpus
         assert total is not None  # Capacity's own validator guarantees one total
-        decode = roles["decode"].resources.to_replica_resources()
+        decode = roles["decode"].replica_resources()
         if self.mode == "colocated" or capacity.ratio is None:
             return derive_single_role("decode", total, resource, decode,
                                       allow_unused=capacity.allow_unused)
-        prefill = roles["prefill"].resources.to_replica_resources()
+        prefill = roles["prefill"].replica_resources()
         return derive_replicas(capacity.ratio, total, resource, prefill, decode,
                                allow_unused=capacity.allow_unused)
 
@@ -144,6 +145,25 @@ class PdserveConfig(Section):
         staging = self.staging_bytes(model_path) if self.mode == "disaggregated" else 0
         return self.engine.to_engine_config(self.model, model_path, staging,
                                             self._cpu_affinity())
+
+    def check_parallelism(self, model: ModelConfig) -> None:
+        """Raise `ConfigError` for a role's tensor_parallel_size that ``model`` cannot be split
+        by (naming each count that does not divide), or above 1: the engine and the handoff run
+        TP groups, but a Serve replica of several ranks (one actor per rank) is not built."""
+        problems = []
+        for name, role in self.role_configs().items():
+            key, size = f"roles.{name}.tensor_parallel_size", role.tensor_parallel_size
+            try:
+                check_tp_fits(model, size, "degree")
+            except TPSplitError as exc:
+                problems.append(f"{key}: {exc}; choose a degree that divides them")
+                continue
+            if size > 1:
+                problems.append(f"{key}: {size}: serving a replica of several ranks (a Ray "
+                                "actor per rank in a placement group) is not implemented; "
+                                "use 1")
+        if problems:
+            raise ConfigError(problems)
 
     def staging_bytes(self, model_path: str) -> int:
         """Each worker's handoff staging (sender and receiver alike) in bytes:

@@ -181,11 +181,12 @@ class EngineSection(Section):
 
 
 class Resources(Section):
-    num_cpus: float = Field(1.0, ge=0, description="Logical CPUs Ray reserves per replica.")
-    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica, at most 1 (a "
-                            "replica's engine runs on one GPU: tensor parallelism is not "
-                            "implemented); whole numbers in disaggregated mode so prefill and "
-                            "decode never share a GPU.")
+    num_cpus: float = Field(1.0, ge=0, description="Logical CPUs Ray reserves per rank (a "
+                            "replica has tensor_parallel_size ranks).")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per rank, at most 1 (a rank runs on "
+                            "one GPU; more GPUs per replica come from tensor_parallel_size); "
+                            "whole numbers in disaggregated mode so prefill and decode never "
+                            "share a GPU.")
     custom: dict[str, float] = Field(
         default_factory=dict, description="Custom Ray resources per replica, e.g. {prefill_node: "
         "1} to pin the role to nodes started with --resources '{\"prefill_node\": N}'.")
@@ -194,13 +195,15 @@ class Resources(Section):
     @classmethod
     def _one_gpu_at_most(cls, value: Any) -> Any:
         if isinstance(value, int | float) and value > 1:
-            raise ValueError(f"{value} GPUs per replica: a replica runs its engine on one GPU "
-                             "(tensor parallelism is not implemented), so the others would sit "
-                             "idle; use num_gpus: 1 and more replicas")
+            raise ValueError(f"{value} GPUs per rank: a rank runs on one GPU, so the others "
+                             "would sit idle; use num_gpus: 1 and tensor_parallel_size for "
+                             "more GPUs per replica, or more replicas")
         return value
 
-    def to_replica_resources(self) -> ReplicaResources:
-        return ReplicaResources(self.num_cpus, self.num_gpus, tuple(sorted(self.custom.items())))
+    def to_replica_resources(self, num_ranks: int = 1) -> ReplicaResources:
+        """What a replica of ``num_ranks`` ranks asks for in all."""
+        return ReplicaResources(self.num_cpus * num_ranks, self.num_gpus * num_ranks,
+                                tuple(sorted((k, v * num_ranks) for k, v in self.custom.items())))
 
 
 class Autoscaling(Section):
@@ -239,12 +242,19 @@ class Autoscaling(Section):
 class Role(Section):
     replicas: int | None = Field(
         None, ge=1, description="Start-up replica count. Omit when roles.capacity derives it.")
-    resources: Resources = Field(default_factory=Resources, description="Per-replica resources.")
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks per replica (tensor parallelism), one device each (one core "
+        "on CPU); must split the model's attention heads, KV heads and MLP width.")
+    resources: Resources = Field(default_factory=Resources, description="Per-rank resources.")
     autoscaling: Autoscaling | None = Field(
         None, description="Scale this role within bounds; start-up count must lie inside them.")
     node_labels: dict[str, str] = Field(
         default_factory=dict, description="Ray node labels a replica's node must carry "
         "(label selector); alternative to pinning with custom resources.")
+
+    def replica_resources(self) -> ReplicaResources:
+        """What one replica asks for in all: its ranks' resources (capacity counts these)."""
+        return self.resources.to_replica_resources(self.tensor_parallel_size)
 
     def ray_actor_options(self) -> dict[str, Any]:
         """Ray Serve's ``ray_actor_options`` for one replica of this role."""

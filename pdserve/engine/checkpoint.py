@@ -23,6 +23,8 @@ from pdserve.engine.kv_layout import NAME_BY_DTYPE
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import CausalLM, WeightLoader, weight_targets
 from pdserve.engine.models.weights import is_ignored
+from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
+from pdserve.engine.parallel.shard import TPShard, check_tp_fits
 
 logger = logging.getLogger(__name__)
 
@@ -82,24 +84,28 @@ def load_model(
     device: torch.device | str = "cpu",
     progress: bool = False,
     block_size: int | None = None,
+    tp: TPGroup = SINGLE_RANK,
 ) -> tuple[nn.Module, ModelConfig]:
     """Build `CausalLM` from a checkpoint directory, weights cast to `dtype`, on `device`,
-    with the attention backend for a KV cache of ``block_size`` (None: one that serves any).
+    with the attention backend for a KV cache of ``block_size`` (None: one that serves any);
+    under a ``tp`` group of several ranks, this rank's part of it.
 
     Raises `CheckpointError` naming the missing/unreadable file or tensor, and
     `UnsupportedArchitectureError` for models pdserve does not implement.
     """
     root = Path(path)
     config = ModelConfig.from_checkpoint(root)
+    check_tp_fits(config, tp.size)
     weight_files = find_weight_files(root)
     _check_index_covers_model(weight_files, config)
     choice = select_attention_backend(device, dtype, block_size)
     with torch.device("meta"):
         model = CausalLM(config, attention_backend=choice.backend,
-                         attention_reason=choice.reason)
+                         attention_reason=choice.reason, tp=tp)
     # Materialise uninitialised storage directly in the target dtype/device: no random init.
     model = model.to(dtype).to_empty(device=device)
-    loader = WeightLoader(model, config)
+    model.zero_vocab_padding()
+    loader = WeightLoader(model, config, TPShard(tp.rank, tp.size))
     for number, file in enumerate(weight_files.files, start=1):
         if progress:
             logger.info("loading weights %d/%d: %s", number, len(weight_files.files), file.name)

@@ -24,6 +24,7 @@ from pdserve.engine.kv_tiers import KVTiers, TierStats
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.memory_profile import describe_engine, plan_kv_cache
 from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
 from pdserve.engine.random_draws import DrawKey
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.sampler import TokenLogprobs
@@ -101,23 +102,28 @@ class _Tracked:
 class LLMEngine:
     """Owns a model, its paged KV cache, a scheduler and a runner.
 
+    Under tensor parallelism this is rank 0: its scheduler plans every step, its runner
+    broadcasts the plan to the replica's other ranks (`parallel.ShardEngine`), and it samples.
+
     Not thread-safe: one thread calls `add_request`/`step`/`abort` (workers serialize calls).
     """
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         self.config = config
+        self.tp = tp
         device = config.resolve_device()
         if loaded is None:
             loaded = LoadedModel.load(config.model_path, config.torch_dtype, device, progress=True,
-                                     block_size=config.block_size)
+                                     block_size=config.block_size, tp=tp)
         self.loaded = loaded
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer
         self.max_model_len = max_model_len_for(loaded.config, config.max_model_len)
         self.layout = kv_layout_for(loaded.config, loaded.fingerprint, loaded.dtype,
-                                    config.block_size)
+                                    config.block_size, tp.rank, tp.size)
         self.kv_budget = plan_kv_cache(config, self.layout, loaded.model, self.device,
-                                       self.max_model_len)
+                                       self.max_model_len, tp)
         num_blocks = self.kv_budget.num_blocks
         self.kv_cache = allocate_kv_cache(self.layout, num_blocks, self.device)
         self.tiers = KVTiers(self.layout, self.kv_cache, config.host_kv_cache_gb,
@@ -142,8 +148,16 @@ class LLMEngine:
 
     def describe(self) -> str:
         """The start-up line every worker logs: device, attention and why, KV, staging."""
-        return describe_engine(self.device, self.loaded.model, self.layout, self.kv_budget,
+        line = describe_engine(self.device, self.loaded.model, self.layout, self.kv_budget,
                                self.config.handoff_staging_bytes)
+        if self.tp.size > 1:
+            line += f"; tensor parallel over {self.tp.size} ranks (this is rank 0)"
+        return line
+
+    def stop_ranks(self) -> None:
+        """Tell the replica's other ranks to leave their step loop (engine thread only)."""
+        if self.tp.size > 1:
+            self.tp.broadcast_plan(None)
 
     # ---- requests in -------------------------------------------------------------------
     def add_request(

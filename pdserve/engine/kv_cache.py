@@ -1,7 +1,7 @@
 """What a worker's KV cache is derived from its settings: the longest sequence, the layout,
 the number of blocks, and the cache tensor itself (every caller sizes it through here).
 
-One tensor per worker: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+One tensor per worker (per TP rank): [num_layers, 2, num_blocks, *KVLayout.block_dims].
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
 
 
 def kv_layout_for(
-    config: ModelConfig, model_fingerprint: str, dtype: torch.dtype, block_size: int
+    config: ModelConfig, model_fingerprint: str, dtype: torch.dtype, block_size: int,
+    tp_rank: int = 0, tp_size: int = 1,
 ) -> KVLayout:
-    """The layout of a whole (unsharded) model's cache."""
+    """The layout of the cache of TP rank ``tp_rank`` of ``tp_size`` (a whole model: 0 of 1)."""
     return KVLayout(
         model_fingerprint=model_fingerprint,
         dtype=NAME_BY_DTYPE[dtype],
@@ -38,6 +39,8 @@ def kv_layout_for(
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
     )
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from pdserve.engine.checkpoint import load_model, model_fingerprint
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.packed_linear import pack_linears
+from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
 from pdserve.engine.tokenizer import Tokenizer
 
 
@@ -28,11 +29,12 @@ class LoadedModel:
     @classmethod
     def load(
         cls, path: str, dtype: torch.dtype, device: torch.device, progress: bool = False,
-        block_size: int | None = None,
+        block_size: int | None = None, tp: TPGroup = SINGLE_RANK,
     ) -> LoadedModel:
         """``block_size``: the KV cache's, which decides the attention backend on CUDA (None:
-        one that serves any block size)."""
-        model, config = load_model(path, dtype, device, progress=progress, block_size=block_size)
+        one that serves any block size); ``tp``: the replica's ranks (this rank's part loads)."""
+        model, config = load_model(path, dtype, device, progress=progress, block_size=block_size,
+                                   tp=tp)
         model.eval()
         pack_linears(model, dtype, device)
         return cls(

@@ -18,19 +18,28 @@ from pdserve.engine.kv_sizing import (
     kv_budget_from_memory,
     kv_budget_from_size,
 )
+from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
 
 
 def plan_kv_cache(config: EngineConfig, layout: KVLayout, model: nn.Module,
-                  device: torch.device, max_model_len: int) -> KVBudget:
+                  device: torch.device, max_model_len: int,
+                  tp: TPGroup = SINGLE_RANK) -> KVBudget:
     """CUDA with a utilization measures; otherwise the configured size (the schema fills in
-    its default when none was given)."""
+    its default when none was given). The ranks of a TP group (each calls this at the same
+    point: the profile step and the agreement are collectives) all get the smallest count."""
     if device.type != "cuda" or config.gpu_memory_utilization is None:
-        return kv_budget_from_size(layout, config.num_kv_blocks, config.kv_cache_memory_gb)
-    num_tokens = min(config.max_num_batched_tokens, max_model_len)
-    memory = profile_device_memory(model, layout, num_tokens,
-                                   min(config.max_num_seqs, num_tokens), device)
-    return kv_budget_from_memory(layout, memory, config.gpu_memory_utilization,
-                                 config.handoff_staging_bytes)
+        budget = kv_budget_from_size(layout, config.num_kv_blocks, config.kv_cache_memory_gb)
+    else:
+        num_tokens = min(config.max_num_batched_tokens, max_model_len)
+        memory = profile_device_memory(model, layout, num_tokens,
+                                       min(config.max_num_seqs, num_tokens), device)
+        budget = kv_budget_from_memory(layout, memory, config.gpu_memory_utilization,
+                                       config.handoff_staging_bytes)
+    if tp.size == 1:
+        return budget
+    num_blocks = tp.min_int(budget.num_blocks)
+    return KVBudget(num_blocks, budget.kv_bytes * num_blocks // budget.num_blocks,
+                    f"{budget.reason}; the fewest of {tp.size} TP ranks")
 
 
 def describe_engine(device: torch.device, model: nn.Module, layout: KVLayout,
@@ -62,7 +71,8 @@ def profile_device_memory(model: nn.Module, layout: KVLayout, num_tokens: int,
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
     positions = torch.arange(num_tokens, device=device)
     hidden = model(ids, positions, cache, metadata)
-    probs = torch.softmax(model.compute_logits(hidden[-num_rows:]).float(), dim=-1)
+    logits = model.compute_logits(hidden[-num_rows:])  # None on TP ranks other than 0
+    probs = None if logits is None else torch.softmax(logits.float(), dim=-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before - cache.numel() * cache.element_size()
     del cache, hidden, probs

@@ -35,12 +35,16 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def reserve(self, request_id: str, block_ids: Sequence[int], layout: KVLayout,
-                num_tokens: int, deadline: float | None = None) -> HandoffTicket:
+                num_tokens: int, deadline: float | None = None,
+                kv_heads: tuple[int, int] | None = None) -> HandoffTicket:
         """Open a reservation of ``block_ids`` for ``request_id``'s KV and return the ticket
         a sender needs (it travels as ``to_dict()``). ``deadline``: absolute ``time.time()``
-        after which the transfer fails with `HandoffTimeoutError`. Raises ValueError for
-        ids that are out of range, repeated or reserved by another live transfer, and
-        `LayoutMismatchError` for a layout other than the cache's."""
+        after which the transfer fails with `HandoffTimeoutError`. ``kv_heads``: the part of
+        the cache's KV heads this transfer fills (None: all), when ranks of a TP group send
+        their heads apart; each is its own transfer, under its own ``request_id``. Raises
+        ValueError for ids that are out of range, repeated or reserved (those heads) by
+        another live transfer, and `LayoutMismatchError` for a layout other than the
+        cache's."""
 
     @abstractmethod
     def ready_future(self, request_id: str) -> concurrent.futures.Future[FenceInfo]:
@@ -74,9 +78,12 @@ class KVSender(ABC):
     def start_transfer(self, ticket: HandoffTicket, block_ids: Sequence[int],
                        layout: KVLayout) -> OutboundTransfer:
         """Begin the handoff of ``block_ids`` (this worker's blocks, in the request's token
-        order, as many as the ticket reserved) into the ticket's reservation. The transfer's
-        ``released`` future resolves with a `SendResult` once no send reads those blocks any
-        more and the outcome is known (``SendResult.ok``: the receiver verified the fence)."""
+        order, as many as the ticket reserved) into the ticket's reservation: the ticket's KV
+        heads of them, which ``layout`` (this cache's) must hold. A layout that cannot pair
+        with the ticket's fails the transfer (both sides see a `HandoffLayoutError` naming what
+        differs), it does not raise. The transfer's ``released`` future resolves with a
+        `SendResult` once no send reads those blocks any more and the outcome is known
+        (``SendResult.ok``: the receiver verified the fence)."""
 
     @abstractmethod
     def send_layer(self, cache: torch.Tensor, layer: int,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.engine.kv_layout import KVLayout, LayoutMismatchError
+from pdserve.engine.kv_layout import KVLayout, KVSlice, LayoutMismatchError
 from pdserve.handoff.digest import combine_digests
 from pdserve.handoff.errors import (
     HandoffDigestError,
@@ -55,7 +55,7 @@ class InboundTransfer:
 
     request_id: str
     transfer_id: int
-    layout: KVLayout
+    kv: KVSlice  # the reserved cache's layout, and the KV heads this transfer fills
     block_ids: torch.Tensor  # int64, on the host (built on the caller's loop: no device copy)
     block_id_list: tuple[int, ...]
     num_tokens: int
@@ -77,7 +77,7 @@ class InboundTransfer:
     _coverage: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        self._coverage = np.zeros((self.layout.num_local_layers, 2, self.num_blocks), dtype=bool)
+        self._coverage = np.zeros((self.kv.num_local_layers, 2, self.num_blocks), dtype=bool)
 
     @property
     def num_blocks(self) -> int:
@@ -85,7 +85,7 @@ class InboundTransfer:
 
     @property
     def expected_bytes(self) -> int:
-        return self.layout.num_local_layers * self.num_blocks * self.layout.block_bytes
+        return self.kv.num_local_layers * self.num_blocks * self.kv.block_bytes
 
     @property
     def terminal(self) -> bool:
@@ -106,8 +106,13 @@ class InboundTransfer:
         if body["request_id"] != self.request_id:
             raise HandoffProtocolError(
                 f"ticket is for request {self.request_id!r}, sender says {body['request_id']!r}")
+        heads = body["heads"]
+        if heads != list(self.kv.heads):
+            raise HandoffLayoutError(
+                f"refused transfer {self.transfer_id}: the sender sends KV heads {heads!r}, "
+                f"{list(self.kv.heads)} were reserved")
         try:
-            self.layout.check_matches(KVLayout.from_dict(body["layout"]))
+            self.kv.layout.check_pairs_with(KVLayout.from_dict(body["layout"]), self.kv.heads)
         except LayoutMismatchError as exc:
             raise HandoffLayoutError(f"refused transfer {self.transfer_id}: {exc}") from exc
         except (TypeError, ValueError) as exc:
@@ -136,13 +141,13 @@ class InboundTransfer:
             raise HandoffProtocolError(
                 f"piece {index} claims {nbytes} bytes; only {remaining} of the "
                 f"{self.expected_bytes} reserved bytes remain (piece bound {self.max_piece_bytes})")
-        layers = self._bounds(body["layers"], self.layout.num_local_layers, "layers")
+        layers = self._bounds(body["layers"], self.kv.num_local_layers, "layers")
         kvs = self._bounds(body["kv"], 2, "kv")
         blocks = self._bounds(body["blocks"], self.num_blocks, "blocks")
         spec = PieceSpec(index, *layers, *blocks, *kvs)
-        if spec.nbytes(self.layout) != nbytes:
+        if spec.nbytes(self.kv) != nbytes:
             raise HandoffProtocolError(
-                f"piece {index} claims {nbytes} bytes, its bounds hold {spec.nbytes(self.layout)}")
+                f"piece {index} claims {nbytes} bytes, its bounds hold {spec.nbytes(self.kv)}")
         region = self._coverage[spec.layer_start:spec.layer_end, spec.kv_start:spec.kv_end,
                                 spec.block_start:spec.block_end]
         if region.any():

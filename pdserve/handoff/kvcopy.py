@@ -3,6 +3,10 @@ block_elements]`` on the wire): gather into staging on the sender, scatter out o
 the receiver, each hashing the bytes it moves. Host memory goes through numpy (row copies at
 memcpy speed on one thread: torch's index_select/index_copy_ cost 1.5-2x and spin intra-op
 threads against the engine); CUDA memory through torch on the current stream.
+
+A transfer of some of a cache's KV heads (`KVSlice`, between TP ranks) copies each block's
+elements of those heads, strided views over the blocks in the layout's memory order; one of
+all the heads copies whole blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import numpy as np
 import torch
 import xxhash
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVLayout, KVSlice
 from pdserve.handoff.digest import device_digest
 from pdserve.handoff.plan import PieceSpec
 
@@ -22,10 +26,39 @@ from pdserve.handoff.plan import PieceSpec
 CHUNK_BYTES = 1 << 20
 
 
-def piece_view(buffer: torch.Tensor, spec: PieceSpec, layout: KVLayout) -> torch.Tensor:
+def piece_view(buffer: torch.Tensor, spec: PieceSpec, kv: KVSlice) -> torch.Tensor:
     """The typed ``[layers, kvs, blocks, block_elements]`` view of a uint8 staging buffer."""
-    flat = buffer[:spec.nbytes(layout)].view(layout.torch_dtype)
-    return flat.view(spec.num_layers, spec.num_kv, spec.num_blocks, layout.block_elements)
+    flat = buffer[:spec.nbytes(kv)].view(kv.torch_dtype)
+    return flat.view(spec.num_layers, spec.num_kv, spec.num_blocks, kv.block_elements)
+
+
+def head_rows(rows: np.ndarray, kv: KVSlice) -> np.ndarray:
+    """Whole blocks' bytes ``[..., blocks, row bytes]`` as ``[..., blocks, *dims]`` (the last
+    dim in bytes) narrowed to ``kv``'s heads: a strided view. All heads: ``rows`` itself."""
+    if kv.is_whole:
+        return rows
+    dims = [*kv.layout.block_dims[:-1], kv.layout.block_dims[-1] * kv.element_size]
+    shaped = rows.reshape(*rows.shape[:-1], *dims)
+    axis = rows.ndim - 1 + kv.layout.head_axis
+    index = [slice(None)] * shaped.ndim
+    index[axis] = slice(kv.head_offset, kv.head_offset + kv.num_heads)
+    return shaped[tuple(index)]
+
+
+def piece_rows(rows: np.ndarray, kv: KVSlice) -> np.ndarray:
+    """A piece's bytes ``[..., blocks, slice row bytes]`` shaped as `head_rows` of the same
+    heads (a view of contiguous memory)."""
+    if kv.is_whole:
+        return rows
+    dims = [*kv.block_dims[:-1], kv.block_dims[-1] * kv.element_size]
+    return rows.reshape(*rows.shape[:-1], *dims)
+
+
+def head_tensor(cache: torch.Tensor, layer: int, kv: KVSlice) -> torch.Tensor:
+    """CUDA gathers and scatters: cache layer ``layer`` as ``[2, blocks, *kv.block_dims]``
+    narrowed to ``kv``'s heads (a view, no copy)."""
+    shaped = cache[layer].view(2, cache.shape[2], *kv.layout.block_dims)
+    return shaped.narrow(2 + kv.layout.head_axis, kv.head_offset, kv.num_heads)
 
 
 def layer_rows(cache: torch.Tensor, layer: int, layout: KVLayout) -> torch.Tensor:
@@ -52,8 +85,11 @@ def checked_ids(ids: np.ndarray, num_cache_blocks: int) -> np.ndarray:
     return ids
 
 
-def gather_rows(src: np.ndarray, ids: np.ndarray, out: np.ndarray, hasher: Any = None) -> None:
-    """One layer of a host piece: ``out[kv, i] = src[kv, ids[i]]`` for each K/V row of ``src``.
+def gather_rows(src: np.ndarray, ids: np.ndarray, out: np.ndarray, kv: KVSlice,
+                hasher: Any = None) -> None:
+    """One layer of a host piece: ``out[k, i] = src[k, ids[i]]`` (``kv``'s heads of it) for each
+    K/V row of ``src`` (``[kvs, cache blocks, row bytes]``; ``out``: ``[kvs, n, slice row
+    bytes]``).
 
     ``ids`` must come from `checked_ids`: ``np.take(mode="clip")`` is the one numpy gather that
     writes straight into ``out`` (mode "raise" buffers it: a second copy), and it would clip a
@@ -61,26 +97,30 @@ def gather_rows(src: np.ndarray, ids: np.ndarray, out: np.ndarray, hasher: Any =
     gather layers in order so the stream matches the piece's byte order.
     """
     step = max(1, CHUNK_BYTES // out.shape[-1])
-    for kv in range(src.shape[0]):
-        rows, target = src[kv], out[kv]
+    for k in range(src.shape[0]):
+        rows, target = head_rows(src[k], kv), out[k]
         for start in range(0, len(ids), step):
             chunk = target[start:start + step]
-            np.take(rows, ids[start:start + step], axis=0, out=chunk, mode="clip")
+            np.take(rows, ids[start:start + step], axis=0, out=piece_rows(chunk, kv), mode="clip")
             if hasher is not None:
                 hasher.update(chunk)
 
 
 def gather_cuda_layer(cache: torch.Tensor, ids: torch.Tensor, spec: PieceSpec, layer: int,
-                      layout: KVLayout, out: torch.Tensor) -> None:
+                      kv: KVSlice, out: torch.Tensor) -> None:
     """One layer of a CUDA piece into ``out`` (its `piece_view`), queued on the current stream
     after the layer's own writes."""
-    source = layer_rows(cache, layer, layout)[spec.kv_start:spec.kv_end]
-    torch.index_select(source, 1, ids[spec.block_start:spec.block_end],
-                       out=out[layer - spec.layer_start])
+    target = out[layer - spec.layer_start]
+    if kv.is_whole:
+        source = layer_rows(cache, layer, kv.layout)[spec.kv_start:spec.kv_end]
+    else:
+        source = head_tensor(cache, layer, kv)[spec.kv_start:spec.kv_end]
+        target = target.view(spec.num_kv, spec.num_blocks, *kv.block_dims)
+    torch.index_select(source, 1, ids[spec.block_start:spec.block_end], out=target)
 
 
 def scatter_piece(staged: torch.Tensor, cache: torch.Tensor, block_ids: torch.Tensor,
-                  spec: PieceSpec, layout: KVLayout) -> int:
+                  spec: PieceSpec, kv: KVSlice) -> int:
     """Write a received piece (its `piece_view`) into its blocks; return the digest of its
     bytes. Host: each chunk hashed right before it is scattered. CUDA: scattered and hashed on
     the device; the digest's host read waits for both (the blocks are written on return)."""
@@ -88,20 +128,25 @@ def scatter_piece(staged: torch.Tensor, cache: torch.Tensor, block_ids: torch.Te
     kvs = slice(spec.kv_start, spec.kv_end)
     if staged.is_cuda:
         for offset in range(spec.num_layers):
-            layer_rows(cache, spec.layer_start + offset, layout)[kvs].index_copy_(
-                1, ids, staged[offset])
+            layer = spec.layer_start + offset
+            if kv.is_whole:
+                layer_rows(cache, layer, kv.layout)[kvs].index_copy_(1, ids, staged[offset])
+            else:
+                head_tensor(cache, layer, kv)[kvs].index_copy_(
+                    1, ids, staged[offset].view(spec.num_kv, spec.num_blocks, *kv.block_dims))
         return device_digest(staged)
     hasher = xxhash.xxh3_64()
-    src, dst = byte_rows(staged), cache_rows(cache, layout)
+    src, dst = byte_rows(staged), cache_rows(cache, kv.layout)
     ids_np = ids.numpy()
     step = max(1, CHUNK_BYTES // src.shape[-1])
     for offset in range(spec.num_layers):
-        for kv in range(spec.num_kv):
-            rows, target = src[offset, kv], dst[spec.layer_start + offset, spec.kv_start + kv]
+        for k in range(spec.num_kv):
+            rows = src[offset, k]
+            target = head_rows(dst[spec.layer_start + offset, spec.kv_start + k], kv)
             for start in range(0, spec.num_blocks, step):
                 chunk = rows[start:start + step]
                 hasher.update(chunk)
-                target[ids_np[start:start + step]] = chunk
+                target[ids_np[start:start + step]] = piece_rows(chunk, kv)
     return hasher.intdigest()
 
 

@@ -65,7 +65,7 @@ class PieceLanding:
                        endpoint: asyncio.Future[Any]) -> None:
         import ucxx  # type: ignore[import-untyped]
 
-        nbytes = spec.nbytes(record.layout)
+        nbytes = spec.nbytes(record.kv)
         if not self._pool.fits_ever(nbytes):
             self._fail(record, HandoffCapacityError(f"piece of {nbytes} bytes exceeds staging"))
             return await self._drain(tag, endpoint)
@@ -127,7 +127,7 @@ class PieceLanding:
                 return None
             if record.device_block_ids is None:
                 record.device_block_ids = self._stream.to_device(record.block_id_list)
-            staged = piece_view(view, spec, record.layout)
+            staged = piece_view(view, spec, record.kv)
             with self._stream.active():
                 return scatter_piece(staged, self._cache, record.device_block_ids, spec,
-                                     record.layout)
+                                     record.kv)

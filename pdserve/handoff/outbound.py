@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import xxhash
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVSlice
 from pdserve.handoff.device_stream import HandoffStream
 from pdserve.handoff.errors import HandoffError, HandoffProtocolError
 from pdserve.handoff.kvcopy import (
@@ -74,7 +74,7 @@ class OutboundTransfer:
     """
 
     ticket: HandoffTicket
-    layout: KVLayout
+    kv: KVSlice  # this worker's cache layout, and the KV heads the transfer sends
     block_ids: torch.Tensor
     plan: list[PieceSpec]
     pool: StagingPool
@@ -148,7 +148,7 @@ class OutboundTransfer:
         with self._lock:
             if self._error is not None:
                 return []
-            if layer != self._next_layer or layer >= self.layout.num_local_layers:
+            if layer != self._next_layer or layer >= self.kv.num_local_layers:
                 self._error = HandoffProtocolError(
                     f"layer {layer} sent out of order (expected {self._next_layer})")
                 return []
@@ -164,17 +164,17 @@ class OutboundTransfer:
                 if layer == spec.layer_start and not buffer.is_cuda:
                     self._hashers[spec.index] = xxhash.xxh3_64()
                 hasher = self._hashers.get(spec.index)
-                view = piece_view(buffer, spec, self.layout)
+                view = piece_view(buffer, spec, self.kv)
                 if src_rows is not None:
                     ids = self._host_ids(src_rows.shape[2])[spec.block_start:spec.block_end]
                     gather_rows(src_rows[layer, spec.kv_start:spec.kv_end], ids,
-                                byte_rows(view[layer - spec.layer_start]), hasher)
+                                byte_rows(view[layer - spec.layer_start]), self.kv, hasher)
                 else:
-                    gather_cuda_layer(cache, self.block_ids, spec, layer, self.layout, view)
+                    gather_cuda_layer(cache, self.block_ids, spec, layer, self.kv, view)
                 if layer + 1 == spec.layer_end:
                     del self._buffers[spec.index]
                     hasher = self._hashers.pop(spec.index, None)
-                    ready.append(ReadyPiece(spec, buffer[:spec.nbytes(self.layout)], buffer,
+                    ready.append(ReadyPiece(spec, buffer[:spec.nbytes(self.kv)], buffer,
                                             self._record(),
                                             None if hasher is None else hasher.intdigest()))
             return ready
@@ -184,21 +184,21 @@ class OutboundTransfer:
         into ``buffer`` (the engine keeps those blocks until ``released``, and their layers
         are final: the engine wrote them before the piece was deferred)."""
         spec, cache = piece.spec, piece.cache
-        view = piece_view(buffer, spec, self.layout)
-        payload = buffer[:spec.nbytes(self.layout)]
+        view = piece_view(buffer, spec, self.kv)
+        payload = buffer[:spec.nbytes(self.kv)]
         if cache.is_cuda:
             assert self.stream is not None
             with self.stream.active():  # ordered after ``piece.written`` on the same stream
                 for layer in range(spec.layer_start, spec.layer_end):
-                    gather_cuda_layer(cache, self.block_ids, spec, layer, self.layout, view)
+                    gather_cuda_layer(cache, self.block_ids, spec, layer, self.kv, view)
                 return ReadyPiece(spec, payload, buffer, self.stream.record(), None)
-        rows = cache_rows(cache, self.layout)
+        rows = cache_rows(cache, self.kv.layout)
         with self._lock:
             ids = self._host_ids(rows.shape[2])[spec.block_start:spec.block_end]
         hasher = xxhash.xxh3_64()
         for layer in range(spec.layer_start, spec.layer_end):
             gather_rows(rows[layer, spec.kv_start:spec.kv_end], ids,
-                        byte_rows(view[layer - spec.layer_start]), hasher)
+                        byte_rows(view[layer - spec.layer_start]), self.kv, hasher)
         return ReadyPiece(spec, payload, buffer, None, hasher.intdigest())
 
     def _record(self) -> Any:
@@ -215,10 +215,10 @@ class OutboundTransfer:
             if self._fence_requested:
                 return False
             self._fence_requested = True
-            if self._error is None and self._next_layer != self.layout.num_local_layers:
+            if self._error is None and self._next_layer != self.kv.num_local_layers:
                 self._error = HandoffProtocolError(
                     f"fence requested after {self._next_layer} of "
-                    f"{self.layout.num_local_layers} layers")
+                    f"{self.kv.num_local_layers} layers")
             return self._error is None
 
     def take_unfinished_buffers(self) -> list[torch.Tensor]:
@@ -234,7 +234,7 @@ class OutboundTransfer:
         if buffer is not None or spec.index in self._deferred or layer != spec.layer_start:
             return buffer
         if not self._deferring:
-            buffer = self.pool.try_acquire(spec.nbytes(self.layout))
+            buffer = self.pool.try_acquire(spec.nbytes(self.kv))
         if buffer is None:
             self._deferring = True
             self._deferred.add(spec.index)

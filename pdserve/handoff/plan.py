@@ -1,5 +1,6 @@
 """How a transfer is cut into pieces: rectangles of (layers x K/V x a run of the request's
-blocks), each at most the receiver's piece bound, in the order the engine writes layers.
+blocks) of the transfer's KV heads, each at most the receiver's piece bound, in the order the
+engine writes layers.
 """
 
 from __future__ import annotations
@@ -7,14 +8,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVSlice
 
 
 @dataclass(frozen=True)
 class PieceSpec:
     """Layers ``[layer_start, layer_end)`` (local cache indices) x K/V ``[kv_start, kv_end)``
     (0 = K, 1 = V) x the request's blocks ``[block_start, block_end)`` (positions in its
-    block list, not block ids). On the wire: ``[layers, kvs, blocks, block_elements]``."""
+    block list, not block ids), of the transfer's KV heads. On the wire: ``[layers, kvs, blocks,
+    block_elements]`` (`KVSlice.block_elements`: each block's elements of those heads)."""
 
     index: int
     layer_start: int
@@ -36,12 +38,12 @@ class PieceSpec:
     def num_blocks(self) -> int:
         return self.block_end - self.block_start
 
-    def nbytes(self, layout: KVLayout) -> int:
-        row = layout.block_elements * layout.torch_dtype.itemsize  # one block's K (or V)
+    def nbytes(self, kv: KVSlice) -> int:
+        row = kv.block_elements * kv.element_size  # one block's K (or V)
         return self.num_layers * self.num_kv * self.num_blocks * row
 
 
-def plan_pieces(layout: KVLayout, num_blocks: int, min_piece_bytes: int, max_piece_bytes: int,
+def plan_pieces(layout: KVSlice, num_blocks: int, min_piece_bytes: int, max_piece_bytes: int,
                 layers_per_piece: int | None = None) -> list[PieceSpec]:
     """Layers x both K/V x all blocks, at most ``max_piece_bytes`` each.
 

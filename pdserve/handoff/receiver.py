@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVLayout, KVSlice
 from pdserve.handoff.contract import KVReceiver
 from pdserve.handoff.digest import digest_kind
 from pdserve.handoff.errors import (
@@ -83,15 +83,20 @@ class HandoffReceiver(KVReceiver):
         self._lock = threading.Lock()  # guards the three registries below
         self._by_request: dict[str, InboundTransfer] = {}
         self._by_tid: dict[int, InboundTransfer] = {}
-        self._writable: set[int] = set()
+        # Block id -> bit mask of the KV heads (the model's numbering) live transfers may
+        # write in it: transfers from several TP ranks fill one block's heads side by side.
+        self._writable: dict[int, int] = {}
         self._counts = {"ready": 0, "failed": 0, "rejected": 0}
         self._detach = transport.attach(_ROLE_KINDS, self._on_frame, self._sweep,
                                         self._on_shutdown)
 
     # ---- decode worker API -------------------------------------------------------------
     def reserve(self, request_id: str, block_ids: Sequence[int], layout: KVLayout,
-                num_tokens: int, deadline: float | None = None) -> HandoffTicket:
+                num_tokens: int, deadline: float | None = None,
+                kv_heads: tuple[int, int] | None = None) -> HandoffTicket:
         self._layout.check_matches(layout)
+        kv = KVSlice(layout, kv_heads or layout.kv_heads)
+        mask = _head_mask(kv.heads)
         ids = tuple(int(b) for b in block_ids)
         num_cache_blocks = self._cache.shape[2]
         if not ids or len(set(ids)) != len(ids) or not all(0 <= b < num_cache_blocks for b in ids):
@@ -105,21 +110,23 @@ class HandoffReceiver(KVReceiver):
             current = self._by_request.get(request_id)
             if current is not None and not current.terminal:
                 raise ValueError(f"request {request_id!r} already holds a live reservation")
-            clash = self._writable.intersection(ids)
+            clash = [b for b in ids if self._writable.get(b, 0) & mask]
             if clash:
-                raise ValueError(f"blocks {sorted(clash)[:8]} are reserved by another transfer")
+                raise ValueError(f"blocks {sorted(clash)[:8]} are reserved by another transfer "
+                                 f"(KV heads {list(kv.heads)})")
             record = InboundTransfer(
-                request_id, self._new_transfer_id(), layout,
+                request_id, self._new_transfer_id(), kv,
                 torch.tensor(ids, dtype=torch.int64), ids, num_tokens,
                 time.monotonic() + (deadline - now), max_piece, self._transport.instance_id,
                 digest_kind(self._cache.device))
             ticket = HandoffTicket(
                 request_id, record.transfer_id, self._transport.address,
                 self._transport.instance_id, self._transport.host, len(ids), num_tokens,
-                record.expected_bytes, max_piece, deadline, layout)
+                record.expected_bytes, max_piece, deadline, layout, kv.heads)
             self._by_request[request_id] = record
             self._by_tid[record.transfer_id] = record
-            self._writable.update(ids)
+            for block in ids:
+                self._writable[block] = self._writable.get(block, 0) | mask
         self._transport.call_soon(self._arm_deadline, record)
         return ticket
 
@@ -167,7 +174,13 @@ class HandoffReceiver(KVReceiver):
                 return False
         with self._lock:
             self._counts["ready" if error is None else "failed"] += 1
-            self._writable.difference_update(record.block_id_list)
+            mask = _head_mask(record.kv.heads)
+            for block in record.block_id_list:
+                left = self._writable.get(block, 0) & ~mask
+                if left:
+                    self._writable[block] = left
+                else:
+                    self._writable.pop(block, None)
         record.publish()
         if error is None:
             log.debug("handoff %s ready", record.request_id)
@@ -342,3 +355,8 @@ class HandoffReceiver(KVReceiver):
             tid = int.from_bytes(os.urandom(4), "little")
             if tid and tid not in self._by_tid:
                 return tid
+
+
+def _head_mask(heads: tuple[int, int]) -> int:
+    """KV heads ``[start, end)`` as a bit mask."""
+    return ((1 << (heads[1] - heads[0])) - 1) << heads[0]

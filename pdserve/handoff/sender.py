@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVLayout, KVSlice, LayoutMismatchError
 from pdserve.handoff.contract import KVSender
 from pdserve.handoff.device_stream import HandoffStream
 from pdserve.handoff.digest import combine_digests, digest, digest_kind
@@ -20,6 +20,7 @@ from pdserve.handoff.errors import (
     HandoffCancelledError,
     HandoffCapacityError,
     HandoffError,
+    HandoffLayoutError,
     HandoffPeerGoneError,
     HandoffTimeoutError,
     error_from_code,
@@ -81,12 +82,22 @@ class HandoffSender(KVSender):
         that many layers instead of grouping up to ``config.min_piece_bytes``."""
         if len(block_ids) != ticket.num_blocks:
             raise ValueError(f"{len(block_ids)} source blocks for a ticket of {ticket.num_blocks}")
-        plan = plan_pieces(layout, ticket.num_blocks, self._config.min_piece_bytes,
-                           ticket.max_piece_bytes, layers_per_piece)
+        try:
+            layout.check_pairs_with(ticket.layout, ticket.kv.heads)
+        except LayoutMismatchError as exc:
+            mismatch: HandoffLayoutError | None = HandoffLayoutError(
+                f"cannot send into ticket {ticket.transfer_id}: {exc}")
+            kv, plan = KVSlice.whole(layout), []
+        else:
+            mismatch, kv = None, KVSlice(layout, ticket.kv.heads)
+            plan = plan_pieces(kv, ticket.num_blocks, self._config.min_piece_bytes,
+                               ticket.max_piece_bytes, layers_per_piece)
         ids = self._stream.to_device([int(b) for b in block_ids])
-        transfer = OutboundTransfer(ticket, layout, ids, plan, self._pool,
+        transfer = OutboundTransfer(ticket, kv, ids, plan, self._pool,
                                     time.monotonic() + (ticket.deadline - time.time()),
                                     self._stream)
+        if mismatch is not None:  # BEGIN still goes out: the receiver refuses it, naming why
+            transfer.fail(mismatch)
         transfer.queue = asyncio.Queue()  # binds to the handoff loop on first use
         self._transport.call_soon(self._begin, transfer)  # runs before any later call_soon
         return transfer
@@ -98,7 +109,7 @@ class HandoffSender(KVSender):
                              f"construct HandoffSender(transport, device=cache.device)")
         with self._stream.after_engine():
             for transfer in transfers:
-                src_rows = None if cache.is_cuda else cache_rows(cache, transfer.layout)
+                src_rows = None if cache.is_cuda else cache_rows(cache, transfer.kv.layout)
                 for piece in transfer.gather_layer(cache, layer, src_rows):
                     self._transport.call_soon(self._enqueue, transfer, piece)
 
@@ -185,7 +196,8 @@ class HandoffSender(KVSender):
             ticket = transfer.ticket
             link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
                                    "request_id": ticket.request_id,
-                                   "layout": transfer.layout.to_dict(),
+                                   "layout": transfer.kv.layout.to_dict(),
+                                   "heads": list(ticket.kv.heads),
                                    "num_blocks": ticket.num_blocks,
                                    "digest": digest_kind(self._pool.device)})
             transfer.begun = True
@@ -235,7 +247,7 @@ class HandoffSender(KVSender):
                                piece: DeferredPiece) -> ReadyPiece | None:
         """Wait (first come, first served) for staging, then gather the piece off the loop.
         None when the transfer failed meanwhile."""
-        nbytes = piece.spec.nbytes(transfer.layout)
+        nbytes = piece.spec.nbytes(transfer.kv)
         if not self._pool.fits_ever(nbytes):
             transfer.fail(HandoffCapacityError(
                 f"piece of {nbytes} bytes exceeds the sender's staging "
@@ -261,7 +273,7 @@ class HandoffSender(KVSender):
         """One PIECE frame for ``pieces``, then their payload sends."""
         records, entries = [], []
         for position, piece in enumerate(pieces):
-            spec, nbytes = piece.spec, piece.spec.nbytes(transfer.layout)
+            spec, nbytes = piece.spec, piece.spec.nbytes(transfer.kv)
             try:
                 piece_digest = await self._digest(piece)
             except asyncio.CancelledError:  # none announced yet; this one's digest job frees it
@@ -307,7 +319,7 @@ class HandoffSender(KVSender):
             transfer.fail(HandoffPeerGoneError(
                 f"sending piece {piece.spec.index} failed: {task.exception()}"))
         else:
-            transfer.bytes_sent += piece.spec.nbytes(transfer.layout)
+            transfer.bytes_sent += piece.spec.nbytes(transfer.kv)
             transfer.pieces_sent += 1
             self._release_piece(piece)
         self._maybe_release(transfer)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVLayout, KVSlice
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class HandoffTicket:
       of every data tag of this transfer.
     - ``max_piece_bytes``: the largest piece the receiver will stage; the sender plans under it.
     - ``deadline``: absolute ``time.time()`` after which both sides give the transfer up.
+    - ``layout``, ``kv_heads``: the receiving cache's layout and which of its KV heads (the
+      model's numbering) this transfer fills: all of them (None), or the part one rank of
+      the sender's TP group holds.
     """
 
     request_id: str
@@ -43,9 +46,12 @@ class HandoffTicket:
     max_piece_bytes: int
     deadline: float
     layout: KVLayout
+    kv_heads: tuple[int, int] | None = None
     protocol_version: int = PROTOCOL_VERSION
 
     def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.layout.kv_heads)
         if not 0 < self.transfer_id < 1 << 32:
             raise ValueError(f"HandoffTicket.transfer_id {self.transfer_id} outside (0, 2**32)")
         if self.num_blocks <= 0 or self.num_tokens <= 0:
@@ -55,7 +61,7 @@ class HandoffTicket:
                 f"HandoffTicket: {self.num_tokens} tokens do not fit {self.num_blocks} blocks "
                 f"of {self.layout.block_size}"
             )
-        expected = self.layout.num_local_layers * self.num_blocks * self.layout.block_bytes
+        expected = self.kv.num_local_layers * self.num_blocks * self.kv.block_bytes
         if self.expected_bytes != expected:
             raise ValueError(f"HandoffTicket.expected_bytes {self.expected_bytes} != {expected}")
         if self.protocol_version != PROTOCOL_VERSION:
@@ -64,9 +70,16 @@ class HandoffTicket:
                 f"(this build speaks {PROTOCOL_VERSION})"
             )
 
+    @property
+    def kv(self) -> KVSlice:
+        """The reserved cache's heads this transfer fills (raises ValueError outside it)."""
+        assert self.kv_heads is not None
+        return KVSlice(self.layout, self.kv_heads)
+
     def to_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["layout"] = self.layout.to_dict()
+        data["kv_heads"] = list(self.kv.heads)
         return data
 
     @classmethod
@@ -80,6 +93,12 @@ class HandoffTicket:
         if not isinstance(layout, dict):
             raise TypeError("HandoffTicket.layout must be a dict (KVLayout.to_dict())")
         values["layout"] = KVLayout.from_dict(layout)
+        heads = values.get("kv_heads")
+        if heads is not None:
+            if (not isinstance(heads, (list, tuple)) or len(heads) != 2
+                    or not all(isinstance(h, int) and not isinstance(h, bool) for h in heads)):
+                raise TypeError(f"HandoffTicket.kv_heads must be two ints, got {heads!r}")
+            values["kv_heads"] = (heads[0], heads[1])
         for name, kind in (("transfer_id", int), ("receiver_instance", int), ("num_blocks", int),
                            ("num_tokens", int), ("expected_bytes", int), ("max_piece_bytes", int)):
             if not isinstance(values.get(name), kind) or isinstance(values.get(name), bool):

@@ -23,7 +23,7 @@ import msgpack  # type: ignore[import-untyped]
 
 from pdserve.handoff.auth import MAC_BYTES, check_mac, mac
 
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 MAGIC = b"PDHO"
 MAX_FRAME_BYTES = 64 * 1024
 _HEAD = struct.Struct("<4sBBHIQ")
@@ -48,7 +48,7 @@ class Kind(enum.IntEnum):
     PROOF = 3  # sender -> receiver: HMAC(token, nonces)
     WELCOME = 4  # receiver -> sender (MAC'd: proves the receiver holds the token too)
     REFUSED = 5  # receiver -> sender: authentication failed
-    BEGIN = 6  # sender -> receiver: transfer id, layout, block count, digest kind
+    BEGIN = 6  # sender -> receiver: transfer id, layout and KV heads, block count, digest kind
     PIECE = 7  # sender -> receiver: pieces' bounds, sizes and digests (up to PIECES_PER_FRAME)
     FENCE = 8  # sender -> receiver: counts, combined digest, first token
     ABORT_TO_RECEIVER = 9  # sender gives up a transfer
@@ -67,8 +67,8 @@ _SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.PROOF: {"proof": bytes},
     Kind.WELCOME: {"instance": int, "scope": str, "pid": int},
     Kind.REFUSED: {"reason": str},
-    Kind.BEGIN: {"tid": int, "instance": int, "request_id": str, "layout": dict, "num_blocks": int,
-                 "digest": str},
+    Kind.BEGIN: {"tid": int, "instance": int, "request_id": str, "layout": dict, "heads": list,
+                 "num_blocks": int, "digest": str},
     Kind.PIECE: {"tid": int, "pieces": list},
     Kind.FENCE: {"tid": int, "num_pieces": int, "nbytes": int, "digest": int,
                  "first_token_id": int, "num_tokens": int},

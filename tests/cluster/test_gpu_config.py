@@ -19,7 +19,8 @@ TOKEN = "a-cluster-token-0123456789"
 
 
 def test_more_than_one_gpu_per_replica_is_refused_saying_why() -> None:
-    with pytest.raises(ConfigError, match="tensor parallelism is not implemented"):
+    with pytest.raises(ConfigError, match="2 GPUs per rank: a rank runs on one GPU.*"
+                                          "tensor_parallel_size"):
         parse_config(config_with(roles__decode__resources__num_gpus=2))
 
 

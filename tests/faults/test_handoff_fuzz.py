@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVLayout, KVSlice
 from pdserve.handoff.digest import HOST_DIGEST, combine_digests
 from pdserve.handoff.errors import HandoffError
 from pdserve.handoff.inbound import InboundTransfer
@@ -27,6 +27,7 @@ from pdserve.handoff.wire import MAC_BYTES, Kind, WireError, decode, encode, pie
 
 KEY = b"k" * 32
 LAYOUT = KVLayout("fp", "float16", block_size=2, num_layers=3, num_kv_heads=1, head_dim=4)
+KV = KVSlice.whole(LAYOUT)
 CACHE_BLOCKS = 12
 RESERVED = (7, 2, 9, 4)
 SESSION = 5
@@ -92,7 +93,7 @@ def test_piece_entries_of_any_shape_fail_only_with_wire_errors(entry: Any) -> No
 @given(changes=st.dictionaries(st.sampled_from(
     ["request_id", "transfer_id", "receiver_address", "receiver_instance", "receiver_host",
      "num_blocks", "num_tokens", "expected_bytes", "max_piece_bytes", "deadline", "layout",
-     "protocol_version", "surprise"]), values, max_size=4))
+     "kv_heads", "protocol_version", "surprise"]), values, max_size=4))
 def test_tickets_from_the_router_fail_only_with_value_or_type_errors(
         changes: dict[str, Any]) -> None:
     good = HandoffTicket("r", 5, b"addr", 9, "h", 2, 3, 3 * 2 * LAYOUT.block_bytes, 1 << 20,
@@ -103,7 +104,7 @@ def test_tickets_from_the_router_fail_only_with_value_or_type_errors(
 
 
 def reserved_record() -> InboundTransfer:
-    return InboundTransfer("req", 77, LAYOUT, torch.tensor(RESERVED), RESERVED, 7,
+    return InboundTransfer("req", 77, KV, torch.tensor(RESERVED), RESERVED, 7,
                            time.monotonic() + 10, 4 * LAYOUT.block_bytes, 1, HOST_DIGEST)
 
 
@@ -112,6 +113,7 @@ begin_bodies = st.fixed_dictionaries({
     "request_id": st.sampled_from(["req", "other"]) | st.text(max_size=4),
     "layout": st.sampled_from([LAYOUT.to_dict(), {**LAYOUT.to_dict(), "head_dim": 8}])
     | st.dictionaries(st.text(max_size=6), values, max_size=4),
+    "heads": st.sampled_from([[0, 1], [1, 2]]) | bounds,
     "num_blocks": st.sampled_from([4, 3]) | small_ints,
     "digest": st.sampled_from([HOST_DIGEST, "modp31x3"]) | st.text(max_size=4)})
 piece_bodies = st.fixed_dictionaries({
@@ -145,10 +147,10 @@ def test_header_checks_raise_only_handoff_errors_and_never_allow_a_write_outside
             spec = record.accept_piece(session, body)
         except HandoffError:
             continue
-        assert spec.nbytes(LAYOUT) == body["nbytes"] <= record.max_piece_bytes
-        payload = torch.from_numpy(rng.integers(0, 255, spec.nbytes(LAYOUT), dtype=np.uint8))
-        scatter_piece(piece_view(payload, spec, LAYOUT), cache, record.block_ids, spec, LAYOUT)
-        accepted.append((spec, spec.nbytes(LAYOUT), body["digest"]))
+        assert spec.nbytes(KV) == body["nbytes"] <= record.max_piece_bytes
+        payload = torch.from_numpy(rng.integers(0, 255, spec.nbytes(KV), dtype=np.uint8))
+        scatter_piece(piece_view(payload, spec, KV), cache, record.block_ids, spec, KV)
+        accepted.append((spec, spec.nbytes(KV), body["digest"]))
     assert sum(nbytes for _, nbytes, _ in accepted) <= record.expected_bytes
     outside = sorted(set(range(CACHE_BLOCKS)) - set(RESERVED))
     assert not cache[:, :, outside].view(torch.uint8).any()
@@ -165,7 +167,7 @@ def test_header_checks_raise_only_handoff_errors_and_never_allow_a_write_outside
 def test_a_bound_of_the_wrong_type_is_a_protocol_error_not_a_crash(field: str) -> None:
     record = reserved_record()
     record.accept_begin(SESSION, {"tid": 77, "instance": 1, "request_id": "req",
-                                  "layout": LAYOUT.to_dict(), "num_blocks": 4,
+                                  "layout": LAYOUT.to_dict(), "heads": [0, 1], "num_blocks": 4,
                                   "digest": HOST_DIGEST})
     body = {"index": 0, "layers": [0, 1], "kv": [0, 2], "blocks": [0, 1],
             "nbytes": LAYOUT.block_bytes, "digest": 0}

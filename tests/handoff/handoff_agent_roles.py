@@ -85,11 +85,14 @@ class Roles:
         self.sender = HandoffSender(self.transport, device=device)
         return True
 
-    def read(self, block_ids: list[int]) -> bytes:
+    def read(self, block_ids: list[int], local_heads: list[int] | None = None) -> bytes:
+        """The blocks' bytes; ``local_heads`` [start, end): only those of the cache's heads."""
         assert self.cache is not None
         ids = torch.tensor(block_ids, dtype=torch.int64, device=self.cache.device)
-        picked = self.cache.index_select(2, ids).contiguous().cpu()
-        return picked.view(torch.uint8).numpy().tobytes()
+        picked = self.cache.index_select(2, ids)
+        if local_heads is not None:
+            picked = picked[..., local_heads[0]:local_heads[1], :]
+        return picked.contiguous().cpu().view(torch.uint8).numpy().tobytes()
 
     def blocks_digest(self, block_ids: list[int]) -> int:
         """The device digest of these blocks' KV (gathered where the cache lives)."""
@@ -104,11 +107,13 @@ class Roles:
 
     # ---- receiver ------------------------------------------------------------------------------
     def reserve(self, request_id: str, block_ids: list[int], num_tokens: int,
-                timeout_s: float = 10.0, layout: dict[str, Any] | None = None) -> dict[str, Any]:
+                timeout_s: float = 10.0, layout: dict[str, Any] | None = None,
+                kv_heads: list[int] | None = None) -> dict[str, Any]:
         assert self.receiver is not None and self.layout is not None
         use = KVLayout.from_dict(layout) if layout is not None else self.layout
+        heads = None if kv_heads is None else (kv_heads[0], kv_heads[1])
         return self.receiver.reserve(request_id, block_ids, use, num_tokens,
-                                     time.time() + timeout_s).to_dict()
+                                     time.time() + timeout_s, heads).to_dict()
 
     def wait(self, request_id: str, timeout: float) -> dict[str, Any]:
         assert self.receiver is not None
@@ -117,6 +122,20 @@ class Roles:
         except HandoffError as exc:
             return {**outcome(exc), "ended_at": time.monotonic()}
         return {**outcome(info), "ended_at": time.monotonic()}
+
+    def wait_all(self, request_ids: list[str], timeout: float) -> dict[str, Any]:
+        """`wait` over several reservations at once (`routes.all_ready`): ok only when every one
+        verified; else the first failure."""
+        from pdserve.handoff.routes import all_ready
+
+        assert self.receiver is not None
+        combined = all_ready([self.receiver.ready_future(r) for r in request_ids])
+        try:
+            infos = combined.result(timeout)
+        except HandoffError as exc:
+            return {**outcome(exc), "ended_at": time.monotonic()}
+        return {"ok": True, "first_token_ids": [i.first_token_id for i in infos],
+                "num_bytes": sum(i.num_bytes for i in infos), "ended_at": time.monotonic()}
 
     def cancel(self, request_id: str) -> bool | dict[str, Any]:
         """True/False as `HandoffReceiver.cancel` returns, or the error it raised as data."""

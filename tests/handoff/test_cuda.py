@@ -5,11 +5,12 @@ GPU), stream-ordered gathers, digests on the device. GPU machines only; skipped 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVLayout, KVSlice
 from pdserve.handoff.digest import device_digest
 from pdserve.handoff.kvcopy import gather_cuda_layer, piece_view, scatter_piece
 from pdserve.handoff.plan import plan_pieces
@@ -24,20 +25,43 @@ LAYOUT = KVLayout("fp", "float16", block_size=16, num_layers=4, num_kv_heads=4, 
 
 def test_device_gather_scatter_and_digest_agree_with_the_same_digest_on_host() -> None:
     layout = KVLayout("fp", "bfloat16", block_size=16, num_layers=4, num_kv_heads=8, head_dim=128)
+    kv = KVSlice.whole(layout)
     src = torch.randn(layout.cache_shape(32), device="cuda").to(layout.torch_dtype)
     dst = torch.zeros(layout.cache_shape(32), device="cuda", dtype=layout.torch_dtype)
     src_ids = torch.tensor(random.Random(0).sample(range(32), 9), device="cuda")
     dst_ids = torch.tensor(random.Random(1).sample(range(32), 9), device="cuda")
-    for spec in plan_pieces(layout, 9, 1, 1 << 20, layers_per_piece=2):
-        buffer = torch.empty(spec.nbytes(layout), dtype=torch.uint8, device="cuda")
-        view = piece_view(buffer, spec, layout)
+    for spec in plan_pieces(kv, 9, 1, 1 << 20, layers_per_piece=2):
+        buffer = torch.empty(spec.nbytes(kv), dtype=torch.uint8, device="cuda")
+        view = piece_view(buffer, spec, kv)
         for layer in range(spec.layer_start, spec.layer_end):
-            gather_cuda_layer(src, src_ids, spec, layer, layout, view)
+            gather_cuda_layer(src, src_ids, spec, layer, kv, view)
         on_device = device_digest(buffer)
         assert on_device == device_digest(buffer.cpu())  # the same sums, wherever computed
-        assert scatter_piece(view, dst, dst_ids, spec, layout) == on_device
+        assert scatter_piece(view, dst, dst_ids, spec, kv) == on_device
     assert torch.equal(dst[:, :, dst_ids].cpu().view(torch.uint8),
                        src[:, :, src_ids].cpu().view(torch.uint8))
+
+
+def test_device_head_ranges_split_to_and_merge_from_tp_ranks() -> None:
+    """A whole cache's heads 4-7 into TP rank 1 of 2, and back into another whole cache."""
+    whole = KVLayout("fp", "bfloat16", block_size=16, num_layers=3, num_kv_heads=8, head_dim=64)
+    half = replace(whole, tp_rank=1, tp_size=2)
+    src = torch.randn(whole.cache_shape(16), device="cuda").to(whole.torch_dtype)
+    rank = torch.zeros(half.cache_shape(16), device="cuda", dtype=half.torch_dtype)
+    back = torch.zeros(whole.cache_shape(16), device="cuda", dtype=whole.torch_dtype)
+    ids = torch.tensor([9, 2, 14, 5], device="cuda")
+    for source, send, target, receive in ((src, KVSlice(whole, (4, 8)), rank,
+                                           KVSlice.whole(half)),
+                                          (rank, KVSlice.whole(half), back,
+                                           KVSlice(whole, (4, 8)))):
+        for spec in plan_pieces(send, 4, 1, 1 << 20, layers_per_piece=1):
+            buffer = torch.empty(spec.nbytes(send), dtype=torch.uint8, device="cuda")
+            view = piece_view(buffer, spec, send)
+            gather_cuda_layer(source, ids, spec, spec.layer_start, send, view)
+            scatter_piece(piece_view(buffer, spec, receive), target, ids, spec, receive)
+    assert torch.equal(rank[:, :, ids].cpu(), src[:, :, ids, :, 4:8].cpu())
+    assert torch.equal(back[:, :, ids, :, 4:8].cpu(), src[:, :, ids, :, 4:8].cpu())
+    assert not back[:, :, :, :, :4].any()
 
 
 def test_two_processes_on_one_gpu_move_cuda_kv_exactly_without_host_copies() -> None:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVLayout, KVSlice
 from pdserve.handoff.digest import HOST_DIGEST, combine_digests
 from pdserve.handoff.errors import (
     HandoffCancelledError,
@@ -28,13 +28,14 @@ SESSION = 11
 
 def make_record(num_blocks: int = 4, layout: KVLayout = LAYOUT) -> InboundTransfer:
     ids = tuple(range(10, 10 + num_blocks))
-    return InboundTransfer("req", 77, layout, torch.tensor(ids), ids, num_blocks * 4 - 1,
+    return InboundTransfer("req", 77, KVSlice.whole(layout), torch.tensor(ids), ids,
+                           num_blocks * 4 - 1,
                            time.monotonic() + 10, 1 << 20, instance=5, digest_kind=HOST_DIGEST)
 
 
 def begin(record: InboundTransfer, **changes: object) -> None:
     body = {"tid": 77, "instance": 5, "request_id": "req", "layout": LAYOUT.to_dict(),
-            "num_blocks": record.num_blocks, "digest": HOST_DIGEST, **changes}
+            "heads": [0, 2], "num_blocks": record.num_blocks, "digest": HOST_DIGEST, **changes}
     record.accept_begin(SESSION, body)
 
 
@@ -81,6 +82,24 @@ def test_layout_mismatch_names_the_field() -> None:
     other = replace(LAYOUT, head_dim=16).to_dict()
     with pytest.raises(HandoffLayoutError, match="head_dim: expected 8, got 16"):
         begin(record, layout=other)
+
+
+def test_a_rank_of_another_tp_group_may_send_the_heads_it_holds_and_no_others() -> None:
+    """Reserved: heads [1, 2) of a cache of all heads. A TP rank holding head 1 pairs; one
+    holding head 0, or heads other than those reserved, is refused, naming why."""
+    record = InboundTransfer("req", 77, KVSlice(LAYOUT, (1, 2)), torch.tensor([10]), (10,), 3,
+                             time.monotonic() + 10, 1 << 20, instance=5, digest_kind=HOST_DIGEST)
+    assert record.expected_bytes == 3 * LAYOUT.block_bytes // 2
+    rank0, rank1 = (replace(LAYOUT, tp_rank=rank, tp_size=2).to_dict() for rank in range(2))
+    with pytest.raises(HandoffLayoutError, match=r"KV heads \[1, 2\) are not in the other side's "
+                                                 r"\[0, 1\) \(TP rank 0 of 2\)"):
+        begin(record, layout=rank0, heads=[1, 2], num_blocks=1)
+    record = InboundTransfer("req", 77, KVSlice(LAYOUT, (1, 2)), torch.tensor([10]), (10,), 3,
+                             time.monotonic() + 10, 1 << 20, instance=5, digest_kind=HOST_DIGEST)
+    with pytest.raises(HandoffLayoutError, match=r"sends KV heads \[0, 2\], \[1, 2\] were"):
+        begin(record, layout=rank1, heads=[0, 2], num_blocks=1)
+    begin(record, layout=rank1, heads=[1, 2], num_blocks=1)
+    assert record.state is InboundState.RECEIVING
 
 
 @pytest.mark.parametrize("changes, reason", [
@@ -155,13 +174,13 @@ def test_every_plan_is_accepted_and_covers_everything(num_blocks: int, num_layer
                                                       group: int | None) -> None:
     layout = replace(LAYOUT, num_layers=num_layers, layer_end=num_layers)
     max_piece = max_piece_blocks * layout.block_bytes
-    plan = plan_pieces(layout, num_blocks, layout.block_bytes, max_piece, group)
+    plan = plan_pieces(KVSlice.whole(layout), num_blocks, layout.block_bytes, max_piece, group)
     record = make_record(num_blocks, layout)
     record.max_piece_bytes = max_piece
     record.accept_begin(SESSION, {"tid": 77, "instance": 5, "request_id": "req",
-                                  "layout": layout.to_dict(), "num_blocks": num_blocks,
-                                  "digest": HOST_DIGEST})
+                                  "layout": layout.to_dict(), "heads": [0, 2],
+                                  "num_blocks": num_blocks, "digest": HOST_DIGEST})
     headers = [piece(s.index, [s.layer_start, s.layer_end], [s.block_start, s.block_end],
                      layout, digest=s.index) for s in plan]
     record.accept_fence(SESSION, fence_for(record, headers))
-    assert all(s.nbytes(layout) <= max_piece for s in plan)
+    assert all(s.nbytes(KVSlice.whole(layout)) <= max_piece for s in plan)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import xxhash
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVLayout, KVSlice
 from pdserve.handoff.digest import combine_digests, device_digest, digest
 from pdserve.handoff.kvcopy import (
     byte_rows,
@@ -25,16 +25,17 @@ from pdserve.handoff.plan import PieceSpec, plan_pieces
 LAYOUT = KVLayout("fp", "bfloat16", block_size=4, num_layers=5, num_kv_heads=2, head_dim=8)
 
 
-def gather(cache: torch.Tensor, ids: list[int], spec: PieceSpec, layout: KVLayout,
+def gather(cache: torch.Tensor, ids: list[int], spec: PieceSpec, kv: KVSlice | KVLayout,
            buffer: torch.Tensor) -> int:
     """What the sender does per layer, for a whole piece; returns the digest it took."""
+    kv = kv if isinstance(kv, KVSlice) else KVSlice.whole(kv)
     hasher = xxhash.xxh3_64()
-    view, rows = piece_view(buffer, spec, layout), cache_rows(cache, layout)
+    view, rows = piece_view(buffer, spec, kv), cache_rows(cache, kv.layout)
     checked = checked_ids(torch.tensor(ids).numpy(), cache.shape[2])
     for layer in range(spec.layer_start, spec.layer_end):
         gather_rows(rows[layer, spec.kv_start:spec.kv_end],
                     checked[spec.block_start:spec.block_end],
-                    byte_rows(view[layer - spec.layer_start]), hasher)
+                    byte_rows(view[layer - spec.layer_start]), kv, hasher)
     return hasher.intdigest()
 
 
@@ -43,16 +44,17 @@ def gather(cache: torch.Tensor, ids: list[int], spec: PieceSpec, layout: KVLayou
 def test_gather_then_scatter_moves_exact_bytes_between_unordered_blocks(dtype: str,
                                                                         head_dim: int) -> None:
     layout = replace(LAYOUT, dtype=dtype, head_dim=head_dim)
+    kv = KVSlice.whole(layout)
     rng = random.Random(dtype)
     src_cache = torch.randn(layout.cache_shape(20)).to(layout.torch_dtype)
     dst_cache = torch.zeros(layout.cache_shape(16), dtype=layout.torch_dtype)
     src_ids, dst_ids = rng.sample(range(20), 7), torch.tensor(rng.sample(range(16), 7))
-    for spec in plan_pieces(layout, 7, 1, 3 * layout.block_bytes * 2, layers_per_piece=2):
-        buffer = torch.empty(spec.nbytes(layout), dtype=torch.uint8)
-        taken = gather(src_cache, src_ids, spec, layout, buffer)
+    for spec in plan_pieces(kv, 7, 1, 3 * layout.block_bytes * 2, layers_per_piece=2):
+        buffer = torch.empty(spec.nbytes(kv), dtype=torch.uint8)
+        taken = gather(src_cache, src_ids, spec, kv, buffer)
         assert taken == digest(buffer)  # hashed while gathering == hashed afterwards
-        staged = piece_view(buffer, spec, layout)
-        assert scatter_piece(staged, dst_cache, dst_ids, spec, layout) == taken
+        staged = piece_view(buffer, spec, kv)
+        assert scatter_piece(staged, dst_cache, dst_ids, spec, kv) == taken
     assert torch.equal(dst_cache[:, :, dst_ids].view(torch.uint8),
                        src_cache[:, :, src_ids].view(torch.uint8))
     untouched = sorted(set(range(16)) - set(dst_ids.tolist()))
@@ -63,9 +65,10 @@ def test_a_single_kv_piece_gathers_and_scatters_only_its_half() -> None:
     src = torch.randn(LAYOUT.cache_shape(6)).to(LAYOUT.torch_dtype)
     dst = torch.zeros(LAYOUT.cache_shape(6), dtype=LAYOUT.torch_dtype)
     spec = PieceSpec(0, 1, 3, 0, 2, kv_start=1, kv_end=2)  # V of layers 1-2, 2 blocks
-    buffer = torch.empty(spec.nbytes(LAYOUT), dtype=torch.uint8)
-    gather(src, [4, 0], spec, LAYOUT, buffer)
-    scatter_piece(piece_view(buffer, spec, LAYOUT), dst, torch.tensor([1, 5]), spec, LAYOUT)
+    kv = KVSlice.whole(LAYOUT)
+    buffer = torch.empty(spec.nbytes(kv), dtype=torch.uint8)
+    gather(src, [4, 0], spec, kv, buffer)
+    scatter_piece(piece_view(buffer, spec, kv), dst, torch.tensor([1, 5]), spec, kv)
     assert torch.equal(dst[1:3, 1, [1, 5]], src[1:3, 1, [4, 0]])
     assert not dst[:, 0].view(torch.uint8).any() and not dst[0].view(torch.uint8).any()
 
@@ -142,3 +145,35 @@ def test_non_contiguous_buffers_are_never_handed_to_ucx() -> None:
         check_contiguous(strided)
     with pytest.raises(ValueError, match="non-contiguous"):
         _ucx_buffer(strided)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_head_ranges_split_to_and_merge_from_the_ranks_of_a_tp_group(dtype: str) -> None:
+    """A whole cache's KV heads go to the two ranks of a TP group (each its half, gathered
+    from strided views of whole blocks), then from the ranks back into one whole cache: every
+    byte lands in its head, nothing else is written."""
+    whole = replace(LAYOUT, dtype=dtype, num_kv_heads=4)
+    halves = [replace(whole, tp_rank=rank, tp_size=2) for rank in range(2)]
+    src = torch.randn(whole.cache_shape(10)).to(whole.torch_dtype)
+    src_ids, dst_ids, back_ids = [7, 2, 9], [4, 0, 5], [1, 3, 2]
+    ranks = [torch.zeros(h.cache_shape(6), dtype=h.torch_dtype) for h in halves]
+    merged = torch.zeros(whole.cache_shape(4), dtype=whole.torch_dtype)
+    for rank, half in enumerate(halves):
+        for send, receive, source, ids, target, target_ids in (
+                (KVSlice(whole, half.kv_heads), KVSlice.whole(half), src, src_ids, ranks[rank],
+                 dst_ids),
+                (KVSlice.whole(half), KVSlice(whole, half.kv_heads), ranks[rank], dst_ids,
+                 merged, back_ids)):
+            for spec in plan_pieces(send, 3, 1, 2 * send.block_bytes, layers_per_piece=2):
+                assert spec.nbytes(send) == spec.nbytes(receive)
+                buffer = torch.empty(spec.nbytes(send), dtype=torch.uint8)
+                taken = gather(source, ids, spec, send, buffer)
+                staged = piece_view(buffer, spec, receive)
+                assert scatter_piece(staged, target, torch.tensor(target_ids), spec,
+                                     receive) == taken
+        start, end = half.kv_heads
+        assert torch.equal(ranks[rank][:, :, dst_ids].view(torch.uint8),
+                           src[:, :, src_ids, :, start:end].view(torch.uint8))
+    assert torch.equal(merged[:, :, back_ids].view(torch.uint8),
+                       src[:, :, src_ids].view(torch.uint8))
+    assert not merged[:, :, [0]].view(torch.uint8).any()

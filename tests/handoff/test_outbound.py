@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv_layout import KVLayout, KVSlice
 from pdserve.handoff.digest import digest
 from pdserve.handoff.errors import HandoffCancelledError
 from pdserve.handoff.kvcopy import cache_rows
@@ -18,6 +18,7 @@ from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.ticket import HandoffTicket
 
 LAYOUT = KVLayout("fp", "float16", block_size=4, num_layers=4, num_kv_heads=2, head_dim=8)
+KV = KVSlice.whole(LAYOUT)
 SRC = [5, 1, 7]
 
 
@@ -25,8 +26,8 @@ def transfer(pool_bytes: int = 1 << 20, layers_per_piece: int = 2) -> OutboundTr
     ticket = HandoffTicket("r", 3, b"a", 1, "h", len(SRC), 10,
                            LAYOUT.num_local_layers * len(SRC) * LAYOUT.block_bytes, 1 << 20,
                            time.time() + 10, LAYOUT)
-    plan = plan_pieces(LAYOUT, len(SRC), 1, 1 << 20, layers_per_piece)
-    return OutboundTransfer(ticket, LAYOUT, torch.tensor(SRC), plan, StagingPool(pool_bytes),
+    plan = plan_pieces(KV, len(SRC), 1, 1 << 20, layers_per_piece)
+    return OutboundTransfer(ticket, KV, torch.tensor(SRC), plan, StagingPool(pool_bytes),
                             time.monotonic() + 10)
 
 
@@ -72,7 +73,7 @@ def test_full_staging_defers_pieces_which_gather_later_to_the_same_bytes() -> No
     direct = transfer(layers_per_piece=1)
     expected = [direct.gather_layer(cache, layer, rows)[0] for layer in range(4)]
     for piece, want in zip(deferred, expected, strict=True):
-        buffer = starved.pool.try_acquire(piece.spec.nbytes(LAYOUT))
+        buffer = starved.pool.try_acquire(piece.spec.nbytes(KV))
         assert buffer is not None
         gathered = starved.gather_piece(piece, buffer)
         assert torch.equal(gathered.payload, want.payload)

@@ -29,9 +29,11 @@ def make_ticket(**changes: object) -> HandoffTicket:
 
 
 def test_ticket_round_trips_through_msgpack() -> None:
-    ticket = make_ticket()
-    wire = msgpack.unpackb(msgpack.packb(ticket.to_dict(), use_bin_type=True), raw=False)
-    assert HandoffTicket.from_dict(wire) == ticket
+    for ticket in (make_ticket(), make_ticket(kv_heads=(1, 2),
+                                              expected_bytes=4 * 3 * LAYOUT.block_bytes // 2)):
+        wire = msgpack.unpackb(msgpack.packb(ticket.to_dict(), use_bin_type=True), raw=False)
+        assert HandoffTicket.from_dict(wire) == ticket
+    assert make_ticket().kv_heads == (0, 2)  # all the cache's heads when none are named
 
 
 @pytest.mark.parametrize("changes, reason", [
@@ -39,6 +41,8 @@ def test_ticket_round_trips_through_msgpack() -> None:
     ({"num_tokens": 49}, "do not fit"),
     ({"expected_bytes": 1}, "expected_bytes"),
     ({"protocol_version": 1}, "protocol version"),
+    ({"kv_heads": (1, 2)}, "expected_bytes"),  # half the heads: half the bytes
+    ({"kv_heads": (1, 3)}, "outside the layout"),
 ])
 def test_inconsistent_tickets_are_refused(changes: dict, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
@@ -50,7 +54,8 @@ def test_ticket_dicts_are_checked_field_by_field() -> None:
     for bad, reason in (({**good, "surprise": 1}, "unknown"),
                         ({**good, "transfer_id": "5"}, "transfer_id"),
                         ({**good, "receiver_address": "text"}, "bytes"),
-                        ({**good, "layout": "fp16"}, "layout")):
+                        ({**good, "layout": "fp16"}, "layout"),
+                        ({**good, "kv_heads": [0]}, "kv_heads")):
         with pytest.raises((TypeError, ValueError), match=reason):
             HandoffTicket.from_dict(bad)
 

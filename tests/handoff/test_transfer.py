@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -65,6 +66,35 @@ def test_round_trip_splits_layers_larger_than_a_piece(pair) -> None:
                            num_layers=2)
     setup_roles(receiver, sender, layout, seed=5)
     _round_trip(receiver, sender, layout, rng, "split", 20, None)
+
+
+def test_head_ranges_of_one_block_arrive_as_separate_transfers_from_tp_ranks(pair) -> None:
+    """The receiver holds all 4 KV heads; the sender is TP rank 1 of 2 (heads 2-3). Its
+    transfer fills heads 2-3 of the reserved blocks while a second reservation of heads 0-1 of
+    the same blocks stays open (another rank's, never sent): blocks are shared by head, the
+    heads sent land byte-exact, the others are not written."""
+    receiver, sender = pair
+    rng = random.Random("heads")
+    layout = random_layout(rng, "bfloat16", num_kv_heads=4, num_layers=3)
+    rank1 = replace(layout, tp_rank=1, tp_size=2)
+    setup_roles(receiver, sender, layout, seed=13, sender_layout=rank1)
+    dst, src = pick_blocks(rng, 5), pick_blocks(rng, 5)
+    before = receiver.call("read", block_ids=dst, local_heads=[0, 2])
+    tokens = 5 * layout.block_size
+    other = receiver.call("reserve", request_id="r/h0", block_ids=dst, num_tokens=tokens,
+                          kv_heads=[0, 2])
+    ticket = receiver.call("reserve", request_id="r/h2", block_ids=dst, num_tokens=tokens,
+                           kv_heads=[2, 4])
+    assert ticket["expected_bytes"] == other["expected_bytes"] == 3 * 5 * layout.block_bytes // 2
+    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=3)
+    assert receiver.call("wait", request_id="r/h2", timeout=20)["ok"]
+    assert sender.call("result", handle=pushed["handles"][0], timeout=20)["ok"]
+    assert (receiver.call("read", block_ids=dst, local_heads=[2, 4])
+            == sender.call("read", block_ids=src))
+    assert receiver.call("read", block_ids=dst, local_heads=[0, 2]) == before
+    assert sorted(receiver.call("receiver_stats")["writable_block_ids"]) == sorted(dst)
+    assert receiver.call("cancel", request_id="r/h0") is True
+    assert receiver.call("receiver_stats")["writable_block_ids"] == []
 
 
 def test_sixteen_concurrent_transfers_share_one_endpoint_and_land_in_their_own_blocks(pair) -> None:

@@ -8,9 +8,9 @@ A real `Ingress` on a stand-in pipeline; the response is driven as the server dr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
-from contextlib import suppress
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.delta import GenerationDelta
@@ -65,8 +65,8 @@ async def serve_stream(ingress: Ingress, read_body_messages: int | None) -> list
             body.append(bytes(message.get("body", b"")))  # type: ignore[arg-type]
 
     scope = {"type": "http", "asgi": {"spec_version": "2.3"}}
-    # A stalled stream's task is cancelled: the server sees the same.
-    with suppress(asyncio.CancelledError):
+    # a stalled stream's task is cancelled: the server sees the same
+    with contextlib.suppress(asyncio.CancelledError):
         await asyncio.wait_for(response(scope, receive, send), 10)  # type: ignore[arg-type]
     return body
 

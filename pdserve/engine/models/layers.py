@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm; computed in float32, then scaled by `weight` in the input dtype."""
@@ -24,10 +26,16 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)); gate and up share one matmul (rows [gate; up])."""
+    """down(silu(gate(x)) * up(x)); gate and up share one matmul (rows [gate; up]).
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    Under TP ``intermediate_size`` is this rank's share: gate/up split by columns, down by
+    rows, its partial sums added across ranks.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int,
+                 tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -36,4 +44,4 @@ class GatedMLP(nn.Module):
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         # In place on the fresh projection output: no [tokens, intermediate] temporaries
         # (large CPU allocations page-fault on first touch). Inference only.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.tp.all_reduce(self.down_proj(F.silu(gate, inplace=True).mul_(up)))

@@ -1,4 +1,5 @@
-"""The decoder-only transformer of the Llama and Qwen2 families over a paged KV cache.
+"""The decoder-only transformer of the Llama and Qwen2 families over a paged KV cache, whole
+or as one tensor-parallel rank's part (its heads, MLP columns and vocabulary rows).
 
 Qwen2 differs only by q/k/v biases (``attention_bias``); both load HF weight names.
 """
@@ -16,26 +17,37 @@ from pdserve.engine.attention import AttentionBackend, AttentionMetadata, TorchA
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models.layers import GatedMLP, RMSNorm
 from pdserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from pdserve.engine.models.vocab_parallel import VocabParallelEmbedding
+from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
+from pdserve.engine.parallel.shard import TPShard
 
 LayerHook = Callable[[int], None]
 
 
 class Attention(nn.Module):
-    """GQA self-attention with fused q/k/v projection (rows [q; k; v])."""
+    """GQA self-attention with fused q/k/v projection (rows [q; k; v]).
 
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    Under TP the projection is split by columns (this rank's q heads and the KV heads they
+    read) and o_proj by rows, its partial sums added across ranks.
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
+        shard = TPShard(tp.rank, tp.size)
+        self.tp = tp
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = shard.even(config.num_heads)[1]
+        self.num_kv_heads = shard.kv_heads(config.num_kv_heads)[1]
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
         self.qkv_proj = nn.Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
         )
-        # HF Llama's attention_bias also covers o_proj; Qwen2 never has an o_proj bias.
-        o_bias = config.attention_bias and config.architecture == "llama"
+        # HF Llama's attention_bias also covers o_proj; Qwen2 never has an o_proj bias. Under
+        # TP rank 0 alone adds it, so the sum across ranks holds it once.
+        o_bias = config.attention_bias and config.architecture == "llama" and tp.rank == 0
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
 
     def forward(
@@ -59,16 +71,17 @@ class Attention(nn.Module):
         if layer_hook is not None:
             layer_hook(self.layer_index)
         out = backend.attend(q, layer_cache, metadata, plan, self.scale)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TPGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = Attention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        intermediate = TPShard(tp.rank, tp.size).even(config.intermediate_size)[1]
+        self.mlp = GatedMLP(config.hidden_size, intermediate, tp)
 
     def forward(
         self,
@@ -91,24 +104,29 @@ class DecoderLayer(nn.Module):
 class CausalLM(nn.Module):
     """Llama/Qwen2 causal LM. Parameters are uninitialised until weights are loaded.
 
-    The KV cache is one tensor ``[num_layers, 2, num_blocks, block_size, kv_heads, head_dim]``
-    (see `KVLayout`); layer ``i`` reads and writes ``kv_cache[i]``.
+    The KV cache is one tensor ``[num_layers, 2, num_blocks, *block_dims]`` (see `KVLayout`);
+    layer ``i`` reads and writes ``kv_cache[i]``. With a ``tp`` group of several ranks this is
+    one rank's part: its KV heads in the cache, its vocabulary rows in the embedding and the
+    logits head; every rank runs each forward together (see `engine/parallel`).
     """
 
     def __init__(
         self, config: ModelConfig, attention_backend: AttentionBackend | None = None,
-        attention_reason: str = "the default",
+        attention_reason: str = "the default", tp: TPGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
         self.config = config
+        self.tp = tp
         self.attention_backend = attention_backend or TorchAttentionBackend()
         self.attention_reason = attention_reason  # why this backend: start-up lines say it
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head: nn.Linear | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            rows = self.embed_tokens.weight.shape[0]  # this rank's vocabulary rows, padded
+            self.lm_head = nn.Linear(config.hidden_size, rows, bias=False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         # The logits projection as one module, when weight packing made one (packed_linear.py).
         self.logits_head: nn.Module | None = None
@@ -138,13 +156,27 @@ class CausalLM(nn.Module):
         return self.norm(hidden)
 
     def logits_weight(self) -> torch.Tensor:
-        """[vocab, hidden]: the lm_head's weight, or the embedding's when they are tied
-        (before `pack_linears`, which makes `logits_head` from it)."""
+        """[vocab rows, hidden]: the lm_head's weight, or the embedding's when they are tied
+        (before `pack_linears`, which makes `logits_head` from it); this rank's rows."""
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def zero_vocab_padding(self) -> None:
+        """After loading: the rows past the vocabulary (the last rank's) hold zeros."""
+        self.embed_tokens.zero_padding()
+        if self.lm_head is not None:
+            with torch.no_grad():
+                self.lm_head.weight[self.embed_tokens.num_rows:].zero_()
+
     @torch.inference_mode()
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 [N, vocab]; matmul in the model dtype, as transformers does."""
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> float32 [N, vocab]; matmul in the model dtype, as transformers does.
+        Under TP every rank computes its vocabulary rows and rank 0 gets them all (the other
+        ranks get None)."""
         if self.logits_head is not None:
-            return self.logits_head(hidden_states).float()
-        return F.linear(hidden_states, self.logits_weight()).float()
+            logits = self.logits_head(hidden_states)
+        else:
+            logits = F.linear(hidden_states, self.logits_weight())
+        if self.tp.size == 1:
+            return logits.float()
+        gathered = self.tp.gather_last_dim(logits)
+        return None if gathered is None else gathered[:, :self.config.vocab_size].float()

@@ -1,0 +1,177 @@
+"""The ranks of one replica as a communication group: sums across ranks, logits gathered on
+rank 0, and the step plan rank 0 broadcasts; one rank alone needs none of it.
+
+Explicit process-group objects (no torch.distributed default group), so one process may hold
+several groups (tests run ranks as threads) and nothing global is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Ranks other than 0 wait for the next step plan as long as their replica sits idle, so the
+# group that carries plans has no practical deadline; a dead rank 0 takes its ranks with it
+# (they are its Ray actors, and their connections to it close).
+_CONTROL_TIMEOUT = datetime.timedelta(days=7)
+_STOP = -1  # a plan length that tells the other ranks to leave their loop
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: a rank died, or one did not answer within the group's timeout.
+    The replica cannot go on; its engine stops and Serve replaces it."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a replica's ranks meet: rank 0's store (host, port) and the group's size."""
+
+    host: str
+    port: int
+    size: int
+
+
+class TPGroup:
+    """One rank alone: every collective is the identity. `CollectiveGroup` is the real one."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place; returns it."""
+        return tensor
+
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's ``tensor`` (equal shapes) side by side along the last dim;
+        other ranks: None."""
+        return tensor
+
+    def broadcast_plan(self, payload: bytes | None) -> bytes | None:
+        """Rank 0 sends ``payload`` (None: stop), every other rank returns what it sent."""
+        return payload
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over the ranks (every rank learns it)."""
+        return value
+
+    def close(self) -> None:
+        """Let go of the connections (idempotent)."""
+
+
+SINGLE_RANK = TPGroup()
+
+
+class CollectiveGroup(TPGroup):
+    """A replica's ranks over torch.distributed: gloo on CPU, NCCL on CUDA for the model's
+    tensors, and gloo for the step plans (host bytes) on either."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, compute: dist.ProcessGroup,
+                 control: dist.ProcessGroup, store: dist.Store) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self._compute, self._control = compute, control
+        self._store = store  # rank 0's is the server: it must outlive the group
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        _wait(self._compute.allreduce([tensor]), "all-reduce")
+        return tensor
+
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        tensor = tensor.contiguous()
+        outputs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.is_first else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        _wait(self._compute.gather(outputs, [tensor], options), "gather")
+        return torch.cat(outputs[0], dim=-1) if self.is_first else None
+
+    def broadcast_plan(self, payload: bytes | None) -> bytes | None:
+        length = torch.tensor([_STOP if payload is None else len(payload)], dtype=torch.int64)
+        _wait(self._control.broadcast([length], _root()), "plan broadcast")
+        num_bytes = int(length.item())
+        if num_bytes == _STOP:
+            return None
+        if self.is_first:
+            assert payload is not None
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        else:
+            data = torch.empty(num_bytes, dtype=torch.uint8)
+        _wait(self._control.broadcast([data], _root()), "plan broadcast")
+        return payload if self.is_first else data.numpy().tobytes()
+
+    def min_int(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        _wait(self._control.allreduce([tensor], options), "all-reduce (min)")
+        return int(tensor.item())
+
+    def close(self) -> None:
+        for group in (self._compute, self._control):
+            shutdown = getattr(group, "shutdown", None)
+            if shutdown is not None:
+                with contextlib.suppress(RuntimeError):  # already broken: a peer died
+                    shutdown()
+
+
+def host_store(host: str, size: int, timeout_s: float) -> tuple[Rendezvous, dist.TCPStore]:
+    """Rank 0: a store on an OS-chosen port of ``host`` for the group to meet at."""
+    store = dist.TCPStore(host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    return Rendezvous(host, store.port, size), store
+
+
+def connect_group(rendezvous: Rendezvous, rank: int, device: torch.device, timeout_s: float,
+                  store: dist.Store | None = None) -> CollectiveGroup:
+    """Join the group (every rank calls this; it returns once all did). ``timeout_s`` bounds
+    each collective of the model (a dead rank fails the others within it); ``store``: rank
+    0's from `host_store`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(rendezvous.host, rendezvous.port, rendezvous.size, False,
+                              timeout=timeout)
+    size = rendezvous.size
+    control = _gloo(dist.PrefixStore("control", store), rank, size, rendezvous.host,
+                    _CONTROL_TIMEOUT)
+    if device.type == "cuda":
+        compute = _nccl(dist.PrefixStore("compute", store), rank, size, timeout)
+    else:
+        compute = _gloo(dist.PrefixStore("compute", store), rank, size, rendezvous.host, timeout)
+    return CollectiveGroup(rank, size, device, compute, control, store)
+
+
+def _gloo(store: dist.Store, rank: int, size: int, host: str,
+          timeout: datetime.timedelta) -> dist.ProcessGroup:
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _nccl(store: dist.Store, rank: int, size: int,
+          timeout: datetime.timedelta) -> dist.ProcessGroup:
+    if not dist.is_nccl_available():
+        raise CollectiveError("tensor parallelism on CUDA needs torch built with NCCL")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _root() -> dist.BroadcastOptions:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return options
+
+
+def _wait(work: dist.Work, what: str) -> None:
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        raise CollectiveError(f"tensor-parallel {what} failed (a rank died or timed out): "
+                              f"{str(exc).splitlines()[0]}") from exc

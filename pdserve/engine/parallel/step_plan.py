@@ -1,0 +1,45 @@
+"""What every rank of a replica needs to run one step's forward pass: the batch as plain lists,
+built by rank 0's runner from its scheduler's output and broadcast as msgpack (never pickle).
+"""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+
+import msgpack
+
+
+class StepPlanError(ValueError):
+    """A broadcast plan that does not decode: ranks of different pdserve builds, or a bug."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's batch: ``query_lens[i]`` new tokens of chunk ``i`` (request
+    ``request_ids[i]``, context ``seq_lens[i]``, cache blocks ``block_tables[i]``), their
+    ``token_ids`` and ``positions`` flattened chunk after chunk; ``sample_rows[j]`` is the flat
+    row whose logits chunk ``sample_chunks[j]`` samples from."""
+
+    token_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    request_ids: list[str]
+    sample_rows: list[int]
+    sample_chunks: list[int]
+
+    def encode(self) -> bytes:
+        return msgpack.packb(astuple(self), use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> StepPlan:
+        try:
+            fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            plan = cls(*fields)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise StepPlanError(f"cannot decode a step plan: {exc}") from exc
+        if not (len(plan.query_lens) == len(plan.seq_lens) == len(plan.block_tables)
+                == len(plan.request_ids)) or len(plan.sample_rows) != len(plan.sample_chunks):
+            raise StepPlanError("step plan fields disagree in length")
+        return plan

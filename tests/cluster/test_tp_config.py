@@ -1,0 +1,61 @@
+"""roles.<role>.tensor_parallel_size: resources per rank, capacity counted per replica (its
+ranks together), and degrees a checkpoint cannot be split by refused naming the count."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.cluster.capacity import CapacityError, check_fits_cluster
+from pdserve.cluster.config import ConfigError, parse_config
+from pdserve.engine.model_config import ModelConfig
+from tests.cluster.test_config import config_with
+
+
+def test_one_rank_per_replica_by_default_and_capacity_counts_every_rank() -> None:
+    one = parse_config(config_with())
+    assert {r.tensor_parallel_size for r in one.role_configs().values()} == {1}
+    assert one.replica_plan().summary() == ("prefill: 1 replica x 1 CPU, decode: 2 replicas x "
+                                            "1 CPU")
+    two = parse_config(config_with(roles__decode__tensor_parallel_size=2))
+    assert two.replica_plan().summary() == ("prefill: 1 replica x 1 CPU, decode: 2 replicas x "
+                                            "2 CPUs")
+    assert two.roles.decode.ray_actor_options()["num_cpus"] == 1.0  # one rank's
+    check_fits_cluster(two.replica_plan(), {"CPU": 5.0})
+    with pytest.raises(CapacityError, match=r"need 5 CPU in all .* cluster has 4"):
+        check_fits_cluster(two.replica_plan(), {"CPU": 4.0})
+
+
+def test_derived_replicas_divide_devices_by_the_ranks_a_replica_needs() -> None:
+    cfg = parse_config(config_with(
+        roles__prefill={"tensor_parallel_size": 2, "resources": {"num_gpus": 1}},
+        roles__decode={"resources": {"num_gpus": 1}},
+        roles__capacity={"ratio": "1:2", "total_gpus": 8}))
+    assert [(r.role, r.replicas) for r in cfg.replica_plan().roles] == [("prefill", 2),
+                                                                        ("decode", 4)]
+
+
+def test_a_degree_below_one_is_refused() -> None:
+    with pytest.raises(ConfigError, match="roles.decode.tensor_parallel_size"):
+        parse_config(config_with(roles__decode__tensor_parallel_size=0))
+
+
+def test_degrees_the_model_cannot_split_by_are_refused_naming_the_count(
+        tiny_checkpoints: dict[str, str]) -> None:
+    model = ModelConfig.from_checkpoint(tiny_checkpoints["llama"])
+    parse_config(config_with()).check_parallelism(model)
+    wide = dataclasses.replace(model, num_heads=12, num_kv_heads=4)
+    cfg = parse_config(config_with(roles__prefill__tensor_parallel_size=3))
+    with pytest.raises(ConfigError, match=r"roles.prefill.tensor_parallel_size: degree 3 does "
+                                          r"not split this model: num_key_value_heads 4 neither"):
+        cfg.check_parallelism(wide)
+
+
+def test_a_replica_of_several_ranks_is_refused_at_serve_time_saying_so(
+        tiny_checkpoints: dict[str, str]) -> None:
+    model = ModelConfig.from_checkpoint(tiny_checkpoints["llama"])
+    cfg = parse_config(config_with(roles__decode__tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="roles.decode.tensor_parallel_size: 2: serving a "
+                                          "replica of several ranks .* is not implemented"):
+        cfg.check_parallelism(model)
