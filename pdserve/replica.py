@@ -21,12 +21,21 @@ class WorkerLoad:
     num_running: int
     num_waiting: int  # requests not running yet (decode: those awaiting KV too)
     num_queued_tokens: int = 0  # prefill: prompt tokens accepted and not prefilled yet
+    kv_events_address: str = ""  # "host:port" of its KV event plane ("" : none)
+    # The KV tiers beside the device, cumulative: host blocks held, loads and their bytes
+    # and seconds, loads that failed (computed instead).
+    num_host_blocks: int = 0
+    num_host_cached_blocks: int = 0
+    num_host_loads: int = 0
+    num_host_load_bytes: int = 0
+    host_load_ms: int = 0
+    num_load_failures: int = 0
 
     @property
     def kv_usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
-    def to_stats(self) -> dict[str, int]:
+    def to_stats(self) -> dict[str, int | str]:
         """The plain dict Serve carries (its routing stats are a dict)."""
         return asdict(self)
 
@@ -35,4 +44,15 @@ class WorkerLoad:
         """The load in Serve's routing stats; None before the replica's first report."""
         if "num_blocks" not in stats:
             return None
-        return cls(**{f.name: int(stats[f.name]) for f in fields(cls) if f.name in stats})
+        return cls(**{f.name: (str if f.type in (str, "str") else int)(stats[f.name])
+                      for f in fields(cls) if f.name in stats})
+
+
+def tier_load(stats: Any) -> dict[str, int]:
+    """The `WorkerLoad` fields of an engine's `TierStats` (read without importing it)."""
+    return {"num_host_blocks": stats.num_host_blocks,
+            "num_host_cached_blocks": stats.num_host_cached_blocks,
+            "num_host_loads": stats.num_host_loads,
+            "num_host_load_bytes": stats.num_host_load_bytes,
+            "host_load_ms": int(stats.host_load_seconds * 1000),
+            "num_load_failures": stats.num_load_failures}

@@ -30,6 +30,9 @@ def _workload_options(p: argparse.ArgumentParser) -> None:
                    help="random and long-doc: tokens to generate")
     g.add_argument("--shared-prefix-len", type=int, default=None,
                    help="long-doc: tokens of the document every request shares")
+    g.add_argument("--num-documents", type=int, default=1,
+                   help="long-doc: documents asked about in turn (request i: document i mod N); "
+                   "requests past the first N repeat a document")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
 
 

@@ -1,5 +1,6 @@
 """PNG plots of a set of runs: TTFT and TPOT CDFs per setup, goodput vs rate, stacked stage
-breakdowns, handoff-time CDF and bytes moved. Needs matplotlib (``pip install 'pdserve[bench]'``).
+breakdowns, handoff-time CDF and bytes moved, KV reuse of long-doc documents. Needs
+matplotlib (``pip install 'pdserve[bench]'``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from pdserve.bench.breakdown import STAGES
 from pdserve.bench.report import SummarizedRun
+from pdserve.bench.reuse import summarize_reuse
 
 COLORS = ("#3b7dd8", "#e08a2e", "#5aa469", "#b05bc4", "#c44e52", "#8c8c8c", "#d4a017", "#17becf")
 MATPLOTLIB_MISSING = ("plots need matplotlib: pip install 'pdserve[bench]' (or pass --no-plots)")
@@ -149,6 +151,33 @@ def handoff(items: Sequence[SummarizedRun], path: Path, title: str) -> Path:
     return _save(fig, path, title)
 
 
+def kv_reuse(items: Sequence[SummarizedRun], path: Path, title: str) -> Path:
+    """Per (setup, rate): TTFT p50 of each document's first request and of its repeats, and
+    the share of the repeats' prompt tokens computed."""
+    plt = _pyplot()
+    shown = [(i, r) for i in items if (r := summarize_reuse(i.run)) is not None]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(shown) + 4), 3.6))
+    names = [f"{i.run.setup}\n@{_rate(i.run.request_rate)}/s" for i, _ in shown]
+    xs = list(range(len(shown)))
+    for k, (label, values) in enumerate((
+            ("first request (p50)", [r.first_ttft_p50_ms or 0.0 for _, r in shown]),
+            ("repeats (p50)", [r.repeat_ttft_p50_ms or 0.0 for _, r in shown]))):
+        drawn = left.bar([x + (k - 0.5) * 0.4 for x in xs], values, width=0.4,
+                         color=COLORS[k], label=label)
+        left.bar_label(drawn, fmt="%.0f", fontsize=7)
+    left.set_xticks(xs, names, fontsize=7)
+    left.set_ylabel("TTFT (ms)")
+    left.legend(fontsize=7)
+    fractions = [100.0 * (r.repeat_computed_fraction or 0.0) for _, r in shown]
+    drawn = right.bar(names, fractions, color=[COLORS[k % len(COLORS)] for k in xs])
+    right.bar_label(drawn, fmt="%.1f%%", fontsize=7)
+    right.set_ylabel("repeats' prompt tokens computed (%)")
+    right.tick_params(axis="x", labelsize=7)
+    for ax in (left, right):
+        ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path, title)
+
+
 def write_plots(items: Sequence[SummarizedRun], result_dir: Path, title: str) -> list[Path]:
     """Every plot the runs have data for; returns their paths."""
     if not items:
@@ -161,4 +190,6 @@ def write_plots(items: Sequence[SummarizedRun], result_dir: Path, title: str) ->
                                      f"{title}: stage breakdown"))
     if any(i.breakdown is not None and i.breakdown.handoff_ms for i in items):
         paths.append(handoff(items, result_dir / "handoff.png", f"{title}: KV handoff"))
+    if any(summarize_reuse(i.run) is not None for i in items):
+        paths.append(kv_reuse(items, result_dir / "kv_reuse.png", f"{title}: KV reuse"))
     return paths

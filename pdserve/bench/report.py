@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pdserve.bench.breakdown import STAGES, Breakdown, breakdown
 from pdserve.bench.metrics import RunSummary, summarize
 from pdserve.bench.records import RunResult
+from pdserve.bench.reuse import summarize_reuse
 from pdserve.bench.slo import SLO
 
 
@@ -103,6 +104,26 @@ def handoff_table(items: Sequence[SummarizedRun]) -> list[str]:
                    "MiB moved", "MiB per handoff", "prefix hit"], rows)
 
 
+def reuse_table(items: Sequence[SummarizedRun]) -> list[str]:
+    """First request of each document against its repeats (long-doc with documents)."""
+    rows = []
+    for i in items:
+        r = summarize_reuse(i.run)
+        if r is None:
+            continue
+        tiers = ", ".join(f"{k} {v}" for k, v in sorted(r.loads_by_tier.items())) or "-"
+        frac = "-" if r.repeat_computed_fraction is None else f"{r.repeat_computed_fraction:.1%}"
+        ratio = "-" if r.reuse_ratio is None else f"{r.reuse_ratio:.0%}"
+        rows.append([i.run.setup, _rate(i.run.request_rate),
+                     f"{_f(r.first_ttft_p50_ms)} / {_f(r.first_ttft_p90_ms)}",
+                     f"{_f(r.repeat_ttft_p50_ms)} / {_f(r.repeat_ttft_p90_ms)}",
+                     _f(r.ttft_ratio, 2), _f(r.first_computed_per_request, 0),
+                     _f(r.repeat_computed_per_request, 0), frac, ratio, tiers])
+    return _table(["setup", "rate", "first TTFT p50 / p90 (ms)", "repeat TTFT p50 / p90 (ms)",
+                   "repeat / first p50", "computed per first", "computed per repeat",
+                   "repeat computed", "reuse ratio", "loads by tier"], rows)
+
+
 def _load_range(items: Sequence[SummarizedRun]) -> str:
     values = [v for i in items for v in i.run.load_average if v > 0]
     return f"{min(values):.1f} to {max(values):.1f}" if values else "not recorded"
@@ -129,6 +150,9 @@ def markdown_summary(items: Sequence[SummarizedRun], baseline: str | None = None
     if any(i.breakdown is not None for i in items):
         lines += ["", "## Where the time went (server stage timings, mean ms per request)", "",
                   *breakdown_table(items), "", "## KV handoff", "", *handoff_table(items)]
+    if any(summarize_reuse(i.run) is not None for i in items):
+        lines += ["", "## KV reuse (each document's first request against its repeats)", "",
+                  *reuse_table(items)]
     errors = [(i.run.setup, _rate(i.run.request_rate), kind, n)
               for i in items for kind, n in i.summary.errors.items()]
     if errors:

@@ -11,13 +11,15 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from pdserve.cluster.config import PdserveConfig
 
 if TYPE_CHECKING:
     from ray.serve import Application
+
+    from pdserve.cluster.kv_store_master import StoreMaster
 
 HOST = "127.0.0.1"  # loopback only: benchmarks never listen on another address
 REPLICA_PREFIX = "SERVE_REPLICA::"
@@ -59,15 +61,29 @@ def _probe(_replica: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ServeLauncher:
-    """Deploys pdserve apps on the running Serve instance, whose proxy is at ``proxy_url``."""
+    """Deploys pdserve apps on the running Serve instance, whose proxy is at ``proxy_url``.
+    An app with the shared KV tier on and no master gets a local Mooncake master of its own,
+    as `pdserve serve` starts one, stopped when the app is removed."""
 
     proxy_url: str
+    masters: dict[str, StoreMaster] = field(default_factory=dict)
 
     def deploy(self, cfg: PdserveConfig, name: str) -> str:
         """Start the app (returns once every replica is up); its base URL (see `run`)."""
         from pdserve.cluster.app import build_from_config
+        from pdserve.cluster.kv_store_master import stop_master
+        from pdserve.cluster.serve_command import with_store_master
 
-        return self.run(build_from_config(cfg), name)
+        cfg, master = with_store_master(cfg)
+        if master is not None:
+            self.masters[name] = master
+        try:
+            return self.run(build_from_config(cfg), name)
+        except BaseException:
+            self.masters.pop(name, None)
+            if master is not None:
+                stop_master(master)
+            raise
 
     def run(self, app: Application, name: str) -> str:
         """Run a built Serve application at /NAME; its base URL: the first ingress replica's
@@ -84,7 +100,14 @@ class ServeLauncher:
     def remove(self, name: str) -> None:
         from ray import serve
 
-        serve.delete(name)
+        from pdserve.cluster.kv_store_master import stop_master
+
+        try:
+            serve.delete(name)
+        finally:
+            master = self.masters.pop(name, None)
+            if master is not None:
+                stop_master(master)
 
     def placements(self, name: str) -> list[ReplicaPlacement]:
         """Every worker replica of app ``name`` (the ingress left out), by deployment."""

@@ -14,7 +14,8 @@ from pdserve.bench.workloads import WorkloadSpec
 def workload_from(args: argparse.Namespace, max_model_len: int | None) -> WorkloadSpec:
     return WorkloadSpec(args.workload, args.num_prompts, seed=args.seed, scale=args.scale,
                         input_len=args.input_len, output_len=args.output_len,
-                        shared_prefix_len=args.shared_prefix_len, max_model_len=max_model_len)
+                        shared_prefix_len=args.shared_prefix_len, max_model_len=max_model_len,
+                        num_documents=getattr(args, "num_documents", 1))
 
 
 def load_from(args: argparse.Namespace) -> LoadSpec:

@@ -99,12 +99,17 @@ class WorkloadSpec:
     output_len: int | None = None  # random and long-doc: tokens to generate
     shared_prefix_len: int | None = None  # long-doc: tokens every request shares
     max_model_len: int | None = None  # prompt + output are cut to fit, when known
+    # long-doc: documents the requests ask about in turn (request i: document i mod this), so
+    # request i >= num_documents is a repeat of an earlier document
+    num_documents: int = 1
 
     def __post_init__(self) -> None:
         if self.name not in WORKLOADS:
             raise ValueError(f"workload {self.name!r} is unknown; use one of {WORKLOADS}")
         if self.num_prompts < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if self.num_documents < 1:
+            raise ValueError(f"--num-documents must be >= 1, got {self.num_documents}")
         if not self.scale > 0:
             raise ValueError(f"--scale must be > 0, got {self.scale}")
         for key in ("input_len", "output_len", "shared_prefix_len"):
@@ -129,13 +134,19 @@ class WorkloadSpec:
 def build_prompts(spec: WorkloadSpec, space: TokenSpace, round_index: int = 0) -> list[PromptSpec]:
     """The workload's requests. Same spec and round: same prompts. Each round draws fresh
     prompt content (so a later round at another rate finds no prefix of an earlier one
-    cached), while the long document's shared prefix stays the same in every round."""
+    cached), while the long document's shared prefix stays the same in every round. With
+    several documents each round (warm-ups included) asks about documents of its own, so that
+    each document's first request in a round finds nothing of it cached."""
     rng = np.random.default_rng([spec.seed, round_index])
     count = spec.num_prompts
     if spec.name == "long-doc":
         doc, shared_len, out = spec.long_doc_lengths()
-        shared = space.draw(np.random.default_rng([spec.seed, 1 << 30]), shared_len)
-        pairs = [(shared + space.draw(rng, doc - shared_len), out) for _ in range(count)]
+        own = [round_index, 1] if spec.num_documents > 1 and round_index else []
+        documents = [space.draw(np.random.default_rng([spec.seed, 1 << 30, *([k] if k else []),
+                                                       *own]), shared_len)
+                     for k in range(spec.num_documents)]
+        pairs = [(documents[i % spec.num_documents] + space.draw(rng, doc - shared_len), out)
+                 for i in range(count)]
         return _fit(spec, pairs, shared_len)
     if spec.name == "random":
         in_len = spec.input_len or _scaled(RANDOM_INPUT, spec.scale)

@@ -22,7 +22,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.handoff.config import MAX_PIECE_BYTES, HandoffConfig
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.router.http_guard import HttpGuardSettings
-from pdserve.router.ingress import Ingress, IngressSettings
+from pdserve.router.ingress import Ingress, IngressSettings, node_ip
 from pdserve.router.pipeline import PipelineSettings
 from pdserve.router.prefill_load import LocalPrefillPolicy
 from pdserve.router.stalls import StallSettings
@@ -61,7 +61,7 @@ PREFILL_SHUTDOWN_MARGIN_S = 10.0
 INGRESS_UNBOUNDED_REQUESTS = 1_000_000
 
 ROUTERS = {
-    "prefix_affinity": "pdserve.router.replica_routing:PrefixAffinityRouter",
+    "prefix_affinity": "pdserve.router.replica_routing:RankedRouter",
     "kv_headroom": "pdserve.router.replica_routing:KVHeadroomRouter",
     "round_robin": "pdserve.router.replica_routing:RoundRobinRouter",
     "least_loaded": None,  # Serve's own power-of-two-choices on queue length
@@ -73,8 +73,7 @@ def _request_router(cfg: PdserveConfig, role: str) -> RequestRouterConfig:
     router_class = ROUTERS[policy]
     if router_class is None:  # Serve's own router; the workers report their load all the same
         return RequestRouterConfig(request_routing_stats_period_s=LOAD_REPORT_PERIOD_S)
-    kwargs = {"block_size": cfg.engine.block_size} if policy == "prefix_affinity" else {}
-    return RequestRouterConfig(request_router_class=router_class, request_router_kwargs=kwargs,
+    return RequestRouterConfig(request_router_class=router_class,
                                request_routing_stats_period_s=LOAD_REPORT_PERIOD_S)
 
 
@@ -112,13 +111,15 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
     model = ModelConfig.from_checkpoint(model_path)
     cfg.check_parallelism(model)
     engine_config = cfg.to_engine_config(model_path)
+    # The worker fills in its own address.
+    kv_store = cfg.kv_store.client_settings("") if cfg.kv_store.enabled else None
     max_model_len = max_model_len_for(model, cfg.model.max_model_len)
     decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
-        engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s)
+        engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s, node_ip, kv_store)
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(
-            engine_config, prefill_handoff, cfg.handoff.drain_timeout_s)
+            engine_config, prefill_handoff, cfg.handoff.drain_timeout_s, node_ip, kv_store)
     settings = IngressSettings(
         model_path=model_path, served_model_name=cfg.model_name(), max_model_len=max_model_len,
         max_in_flight_requests=cfg.router.max_in_flight_requests,
@@ -127,7 +128,9 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
             mode=cfg.mode,
             min_disaggregated_prompt_tokens=cfg.router.min_disaggregated_prompt_tokens,
             local_prefill=LocalPrefillPolicy(cfg.router.local_prefill_max_tokens,
-                                             cfg.router.local_prefill_queue_factor)),
+                                             cfg.router.local_prefill_queue_factor),
+            prefill_ranked=cfg.router.prefill_policy == "prefix_affinity",
+            decode_ranked=cfg.router.decode_policy == "prefix_affinity"),
         plane_token=token,
         http=HttpGuardSettings(max_body_bytes=cfg.http.max_body_bytes,
                                api_keys=cfg.resolve_api_keys(),

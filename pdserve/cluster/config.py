@@ -40,6 +40,7 @@ from pdserve.cluster.config_sections import (
     check_api_key,
     default_staging_bytes,
 )
+from pdserve.cluster.kv_store_section import KVStoreSection
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.shard import TPSplitError, check_tp_fits
 
@@ -76,6 +77,8 @@ class PdserveConfig(Section):
                                   "and limits.")
     handoff: HandoffSection = Field(default_factory=HandoffSection, description="KV transfer.")
     http: HttpSection = Field(default_factory=HttpSection, description="HTTP listener.")
+    kv_store: KVStoreSection = Field(default_factory=KVStoreSection, description="A KV "
+                                     "tier shared by every worker (Mooncake Store).")
     served_model_name: str | None = Field(
         None, min_length=1, description="Model name clients send; default: the checkpoint "
         "directory's name, or pdserve-<family>-<size> for a generated model.")
@@ -98,6 +101,9 @@ class PdserveConfig(Section):
 
     def _cross_field_problems(self) -> Iterator[tuple[str, str]]:
         yield from _role_shape_problems(self)
+        if self.kv_store.enabled and not self.engine.enable_prefix_caching:
+            yield "kv_store.enabled", ("the shared store holds cached prefixes: it needs "
+                                       "engine.enable_prefix_caching: true")
         try:
             plan = self.replica_plan()
         except CapacityError as exc:

@@ -100,6 +100,12 @@ class EngineSection(Section):
         0, ge=0, description="Cap on one request's prefill chunk per step (0: no cap), so a long "
         "prompt cannot stall decodes sharing the step.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
+    host_kv_cache_gb: float = Field(
+        0.0, ge=0, description="Host tier per worker in GiB (pinned memory on CUDA; 0: none). "
+        "Cached blocks leaving the device cache are copied there off the engine's thread, and a "
+        "prompt whose prefix continues there loads it back (fenced: the request computes only "
+        "after the copy verified) when the measured load time beats the measured prefill "
+        "time. Needs enable_prefix_caching.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: CUDA when the replica sees a GPU, else CPU.")
     num_threads: int | None = Field(
@@ -118,6 +124,13 @@ class EngineSection(Section):
         if self.num_kv_blocks is not None and self.kv_cache_memory_gb is not None:
             raise ValueError("give at most one of engine.num_kv_blocks and "
                              "engine.kv_cache_memory_gb")
+        return self
+
+    @model_validator(mode="after")
+    def _host_tier_caches(self) -> EngineSection:
+        if self.host_kv_cache_gb > 0 and not self.enable_prefix_caching:
+            raise ValueError("engine.host_kv_cache_gb holds cached prefixes: it needs "
+                             "engine.enable_prefix_caching: true (or set it to 0)")
         return self
 
     @model_validator(mode="after")
@@ -150,6 +163,7 @@ class EngineSection(Section):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, max_model_len=model.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
+            host_kv_cache_gb=self.host_kv_cache_gb,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             num_threads=self.num_threads, cpu_affinity=cpu_affinity)
 

@@ -15,10 +15,11 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from pdserve.cluster.bind import bind_summary, keep_local_ray_private
+from pdserve.cluster.bind import LOOPBACK_HOSTS, bind_summary, keep_local_ray_private
 from pdserve.cluster.capacity import check_fits_cluster
 from pdserve.cluster.config import PdserveConfig, parse_config, read_config_data
 from pdserve.cluster.frontend import frontend_for, ingress_ports
+from pdserve.cluster.kv_store_master import StoreMaster, start_master, stop_master
 from pdserve.cluster.serve_config import (
     APP_NAME,
     band_applies,
@@ -118,6 +119,18 @@ async def _drain_replicas(handle: Any, num_replicas: int, timeout_s: float) -> N
             return
 
 
+def with_store_master(cfg: PdserveConfig) -> tuple[PdserveConfig, StoreMaster | None]:
+    """``cfg`` with a local Mooncake master's addresses when kv_store is on without one
+    (the master started here; the caller stops it)."""
+    if not cfg.kv_store.enabled or cfg.kv_store.master_address is not None:
+        return cfg, None
+    master = start_master(cfg.http.host if cfg.http.host in LOOPBACK_HOSTS else "127.0.0.1")
+    store = cfg.kv_store.model_copy(update={"master_address": master.rpc_address,
+                                            "metadata_server": master.metadata_server})
+    print(f"pdserve started a Mooncake Store master at {master.rpc_address}", flush=True)
+    return cfg.model_copy(update={"kv_store": store}), master
+
+
 def serve(config_path: str | None, address: str = "local", check_fit: bool = True) -> int:
     """The server below `supervisor.supervise`: start, serve until SIGTERM (or SIGINT),
     drain, stop. Ray's processes stay in this process's group, never the supervisor's."""
@@ -125,6 +138,15 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
         follow_supervisor()
     data, source = read_config_data(config_path)
     cfg = parse_config(data, source)
+    cfg, master = with_store_master(cfg)
+    try:
+        return _serve(cfg, data, address, check_fit)
+    finally:
+        if master is not None:
+            stop_master(master)
+
+
+def _serve(cfg: PdserveConfig, data: Any, address: str, check_fit: bool) -> int:
     init_ray(cfg, address)
     import ray
 

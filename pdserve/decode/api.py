@@ -29,6 +29,8 @@ class DecodeRequest:
     sink: TokenSink  # the ingress replica's token plane: where the tokens go
     # Output tokens the client already has (recompute fallback): recomputed, not generated.
     resume_output_ids: tuple[int, ...] = ()
+    # The decode replicas best first, when the decode policy ranks by cached prefix.
+    replica_ranking: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -51,9 +51,10 @@ class TokenSink:
 
 # One request's new output of one engine step, as it travels:
 # [request_id, token_ids, text, finish_reason | None, num_output_tokens, num_cached_tokens,
-#  logprobs | None], logprobs as [[token_id, logprob, [[id, logprob], ...]], ...].
+#  logprobs | None, kv_reuse | None], logprobs as [[token_id, logprob, [[id, logprob], ...]],
+#  ...], kv_reuse as `KVReuse.to_wire` (a locally prefilled request's first entry only).
 Entry = list[Any]
-ENTRY_FIELDS = 7
+ENTRY_FIELDS = 8
 
 
 def encode_logprobs(logprobs: list[TokenLogprobs]) -> list[Any] | None:

@@ -9,7 +9,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
@@ -29,8 +29,10 @@ from pdserve.engine.engine import LLMEngine, ReceivedKVSlots
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
+from pdserve.handoff.kv_event_server import serve_engine_events
+from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
 from pdserve.log import configure_logging
-from pdserve.replica import WorkerLoad
+from pdserve.replica import WorkerLoad, tier_load
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +52,24 @@ class DecodeWorker:
     """
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None,
-                 plane_token: str, reserve_timeout_s: float) -> None:
+                 plane_token: str, reserve_timeout_s: float,
+                 node_host: Callable[[], str] = lambda: "127.0.0.1",
+                 kv_store: MooncakeSettings | None = None) -> None:
         """``handoff_config`` None: no KV arrives (colocated); ``reserve_timeout_s``: how long
-        a prompt whose KV is coming waits for free blocks (handoff.reserve_timeout_s)."""
+        a prompt whose KV is coming waits for free blocks (handoff.reserve_timeout_s);
+        ``node_host``: this machine's address for other nodes (the KV event plane's)."""
         configure_logging()
         # Before any engine thread starts: threads inherit the binding.
         self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
                                             "decode")
         self.engine = LLMEngine(engine_config)
+        if kv_store is not None:  # before the engine thread starts
+            client = connect_store(kv_store, node_host())
+            if client is not None:
+                self.engine.tiers.attach_store(client)
         self.publisher = TokenPublisher(plane_token, MAX_UNREAD_TOKEN_BYTES)
         self.async_engine = AsyncEngine(self.engine, step_sink=self.publisher)
+        self.events = serve_engine_events(self.engine, plane_token, node_host())
         self.reserve_timeout_s = reserve_timeout_s
         self.transport: HandoffTransport | None = None
         self.receiver: HandoffReceiver | None = None
@@ -158,7 +168,9 @@ class DecodeWorker:
         kv, sched = self.engine.kv_manager, self.engine.scheduler
         return WorkerLoad(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
                           num_running=sched.num_running,
-                          num_waiting=sched.num_waiting + sched.num_awaiting_kv).to_stats()
+                          num_waiting=sched.num_waiting + sched.num_awaiting_kv,
+                          kv_events_address=self.events.address,
+                          **tier_load(self.engine.tiers.stats())).to_stats()
 
     def token_plane_stats(self) -> dict[str, Any]:
         """Frames and entries sent, against the engine's steps (a frame per step per ingress
@@ -171,6 +183,7 @@ class DecodeWorker:
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops: end transfers before the engine.
+        self.events.close()
         if self.receiver is not None:
             self.receiver.close()
         if self.transport is not None:

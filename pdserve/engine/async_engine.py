@@ -83,6 +83,7 @@ class AsyncEngine:
         self._wakeup = threading.Event()
         self._stopping = False
         self._error: BaseException | None = None
+        engine.tiers.wakeup = self._wakeup.set  # a finished copy wakes an idle loop
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -157,6 +158,7 @@ class AsyncEngine:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout=10)
+        self.engine.close()
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from pdserve.engine.free_block_queue import FreeBlockQueue, KVBlock
+from pdserve.engine.kv_events import KVEventLog, Tier
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -27,15 +28,19 @@ class BlockPool:
       the head); released uncached blocks join the head, since reusing them loses nothing.
       `allocate` takes from the head. Callers release a request's blocks last-first, so a
       prefix's tail blocks are evicted before the blocks its siblings share.
+    - With an event log, every block registered in the cache map is reported stored in the
+      device tier, and every eviction from it removed.
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
+                 events: KVEventLog | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"BlockPool needs num_blocks > 0, got {num_blocks}")
         self._blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free = FreeBlockQueue(self._blocks)
         self._cached: dict[bytes, KVBlock] = {}
         self.enable_prefix_caching = enable_prefix_caching
+        self.events = events
         self.num_evictions = 0  # cumulative, for metrics
 
     @property
@@ -60,6 +65,13 @@ class BlockPool:
 
     def is_cached(self, block_id: int) -> bool:
         return self._blocks[block_id].block_hash is not None
+
+    def cached_entry(self, block_id: int) -> tuple[bytes, tuple[int, ...]] | None:
+        """The hash and tokens a cached block is registered under (None: not cached)."""
+        block = self._blocks[block_id]
+        if block.block_hash is None or block.token_ids is None:
+            return None
+        return block.block_hash, block.token_ids
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` blocks from the head of the free queue (evicting cached ones), ref 1 each."""
@@ -113,6 +125,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, Tier.DEVICE)
         return True
 
     def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
@@ -149,6 +163,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None
         del self._cached[block.block_hash]
+        if self.events is not None:
+            self.events.removed(block.block_hash, Tier.DEVICE)
         block.block_hash = None
         block.token_ids = None
         self.num_evictions += 1

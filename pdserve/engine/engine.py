@@ -19,6 +19,8 @@ from pdserve.engine.kv_cache import (
     max_model_len_for,
 )
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv_cost import KVReuse
+from pdserve.engine.kv_tiers import KVTiers, TierStats
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.memory_profile import describe_engine, plan_kv_cache
 from pdserve.engine.model_runner import ModelRunner
@@ -50,6 +52,7 @@ class RequestOutput:
     # One per token of new_token_ids when the request asked for logprobs (else empty).
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     queue_s: float = 0.0  # from add_request until the request's first chunk was scheduled
+    kv_reuse: KVReuse | None = None  # how the prompt's prefix was reused (first admission)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class KVStats:
     num_awaiting_kv: int
     num_prefilled: int
     num_aborted: int
+    num_loading: int = 0
+    tiers: TierStats = field(default_factory=TierStats)
 
 
 @dataclass
@@ -121,8 +126,11 @@ class LLMEngine:
                                        self.max_model_len, tp)
         num_blocks = self.kv_budget.num_blocks
         self.kv_cache = allocate_kv_cache(self.layout, num_blocks, self.device)
+        self.tiers = KVTiers(self.layout, self.kv_cache, config.host_kv_cache_gb,
+                             config.enable_prefix_caching)
         self.kv_manager = KVCacheManager(
-            num_blocks, config.block_size, loaded.fingerprint, config.enable_prefix_caching
+            num_blocks, config.block_size, loaded.fingerprint, config.enable_prefix_caching,
+            self.tiers.events, self.tiers.host.pool if self.tiers.host else None,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -133,6 +141,7 @@ class LLMEngine:
             ),
             self.kv_manager,
         )
+        self.tiers.attach(self.kv_manager, self.scheduler)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
@@ -220,12 +229,17 @@ class LLMEngine:
 
     # ---- the loop ------------------------------------------------------------------------
     def step(self, layer_hook: LayerHook | None = None) -> list[RequestOutput]:
+        self.tiers.service()
         output = self.scheduler.schedule()
         if not output.chunks:
             return []
         hook = None if layer_hook is None else (lambda layer: layer_hook(layer, output))
         draws = self._note_scheduled(output)
+        measured = self.scheduler.loads is not None  # the cost model exists for loads alone
+        started = time.monotonic() if measured else 0.0
         result = self.runner.execute(output, self.kv_manager.block_ids, draws, hook)
+        if measured:
+            self._measure_prefill(output, time.monotonic() - started)
         self.stats.num_steps += 1
         self.stats.num_tokens_computed += result.num_tokens_computed
         self.stats.num_preemptions += len(output.preempted_request_ids)
@@ -243,14 +257,20 @@ class LLMEngine:
             num_cached_blocks=kv.num_cached_blocks, num_waiting=sched.num_waiting,
             num_running=sched.num_running, num_awaiting_kv=sched.num_awaiting_kv,
             num_prefilled=sched.num_prefilled, num_aborted=self.stats.num_aborted,
+            num_loading=sched.num_loading, tiers=self.tiers.stats(),
         )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests
 
     def has_schedulable_requests(self) -> bool:
-        """Whether a step would compute anything (requests awaiting KV or pinned do not)."""
-        return self.scheduler.has_schedulable_requests
+        """Whether a step has work: something to compute (requests awaiting KV or pinned
+        have not), or tier copies to settle or start."""
+        return self.scheduler.has_schedulable_requests or self.tiers.has_work
+
+    def close(self) -> None:
+        """Stop the tiers' copy thread (the engine is not used after)."""
+        self.tiers.close()
 
     def generate(
         self,
@@ -269,6 +289,8 @@ class LLMEngine:
             self.add_request(rid, prompt, p)
         pending = set(ids)
         while pending:
+            if not self.scheduler.has_schedulable_requests:
+                self.tiers.wait_finished()  # every request loads: nothing to compute
             for out in self.step():
                 tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished:
@@ -276,6 +298,16 @@ class LLMEngine:
         return [tokens[rid] for rid in ids]
 
     # ---- internals -----------------------------------------------------------------------
+    def _measure_prefill(self, output: SchedulerOutput, seconds: float) -> None:
+        """The step's prompt tokens per second, at the longest chunk's context (the cost
+        model's compute side); decode tokens in the same step take their share of time."""
+        prompt = [c for c in output.chunks if c.num_new_tokens > 1]
+        if not prompt or output.num_batched_tokens <= 0:
+            return
+        num_prompt = sum(c.num_new_tokens for c in prompt)
+        self.tiers.cost.observe_prefill(num_prompt, max(c.end_position for c in prompt),
+                                        seconds * num_prompt / output.num_batched_tokens)
+
     def _note_scheduled(self, output: SchedulerOutput) -> dict[str, DrawKey]:
         """Stamps first-schedule times, and keys each random draw to (seed, output index), not
         to a generator's history, so the prefill worker's first token and the decode worker's
@@ -389,4 +421,5 @@ class LLMEngine:
             num_output_tokens=len(request.output_token_ids),
             logprobs=logprobs or [],
             queue_s=queue_s,
+            kv_reuse=request.kv_reuse,
         )

@@ -34,6 +34,8 @@ class EngineConfig:
     # None: the model's max_position_embeddings (`kv_cache.max_model_len_for`).
     max_model_len: int | None
     enable_prefix_caching: bool
+    # Host tier per worker in GiB (0: none): evicted cached blocks live on there.
+    host_kv_cache_gb: float = 0.0
     # Cap on one request's prefill chunk per step (0: no cap beyond the step budget), so a
     # long prompt cannot stall the decodes that share its steps.
     long_prefill_token_threshold: int

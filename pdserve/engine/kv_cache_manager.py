@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_hash import hash_full_blocks
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.host_block_pool import HostBlockPool
+from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.request import Request
+from pdserve.engine.write_back import WriteBack
 
 
 @dataclass
@@ -33,19 +36,27 @@ class KVCacheManager:
     `free`. Every request given to `find_cached_prefix` or `allocate_slots` must end with
     `free`, which also drops its memoized block hashes. Block ``i`` of a request holds the
     KV of token positions ``[i * block_size, (i + 1) * block_size)``.
+
+    With a host pool or store puts: a cached block whose last reference goes (`free`) is
+    pinned by each copy into another tier until it ends (`write_back`). Host blocks a load
+    reads are marked read by the caller (`host_pool.begin_read`) until its copy ended.
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, salt: str, enable_prefix_caching: bool = True
+        self, num_blocks: int, block_size: int, salt: str, enable_prefix_caching: bool = True,
+        events: KVEventLog | None = None, host_pool: HostBlockPool | None = None,
+        store_puts: bool = False,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
         self.salt = salt
         self.enable_prefix_caching = enable_prefix_caching
-        self._pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._pool = BlockPool(num_blocks, enable_prefix_caching, events)
+        self.host_pool = host_pool if enable_prefix_caching else None
         self._tables: dict[str, _BlockTable] = {}
         self._hashes: dict[str, list[bytes]] = {}  # memo; block contents never change
+        self.write_back = WriteBack(self._pool, self.host_pool, store_puts)
 
     @property
     def num_blocks(self) -> int:
@@ -85,6 +96,27 @@ class KVCacheManager:
                 break
             block_ids.append(block_id)
         return block_ids, len(block_ids) * self.block_size
+
+    def find_host_continuation(self, request: Request, num_device_blocks: int) -> list[int]:
+        """Host blocks holding the request's blocks right after its ``num_device_blocks``
+        cached ones, contiguous, never covering the last token (like `find_cached_prefix`)."""
+        if self.host_pool is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)
+        host_ids: list[int] = []
+        for i in range(num_device_blocks, min(max_blocks, len(hashes))):
+            tokens = request.token_ids_slice(i * self.block_size, (i + 1) * self.block_size)
+            host_id = self.host_pool.lookup(hashes[i], tokens)
+            if host_id is None:
+                break
+            host_ids.append(host_id)
+        return host_ids
+
+    def block_hashes(self, request: Request, start: int, end: int) -> list[bytes]:
+        """The chained hashes of the request's full blocks ``[start, end)`` (fewer when it has
+        fewer full blocks); what the shared store keys its blocks by."""
+        return self._block_hashes(request, end)[start:end]
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_block_ids: Sequence[int] = ()
@@ -142,11 +174,14 @@ class KVCacheManager:
         table = self._tables.pop(request.request_id, None)
         if table is not None:
             self._pool.release(reversed(table.block_ids))
+            self.write_back.on_release(table.block_ids)
 
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref count equals the tables that hold it."""
         self._pool.check_integrity()
-        holders: Counter[int] = Counter()
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()
+        holders: Counter[int] = self.write_back.pins()
         for request_id, table in self._tables.items():
             assert len(set(table.block_ids)) == len(table.block_ids), (
                 f"request {request_id} holds a block twice: {table.block_ids}"

@@ -5,6 +5,8 @@ The handoff carries a `KVLayout` with every transfer; a receiver refuses any tha
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -119,6 +121,14 @@ class KVLayout:
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_local_layers, 2, num_blocks, *self.block_dims)
+
+    @property
+    def fingerprint(self) -> str:
+        """What stored KV is keyed by beside its block hash: every field (model, dtype, block
+        size, shape, TP rank and size, layer range), so a layout that differs in any of them
+        never finds another's bytes."""
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}  # all plain values

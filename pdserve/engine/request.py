@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.kv_cost import KVReuse
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -25,6 +26,7 @@ class RequestStatus(Enum):
     WAITING = "waiting"  # queued (new or preempted); owns no blocks
     RUNNING = "running"  # owns blocks; scheduled every step until done
     AWAITING_KV = "awaiting_kv"  # decode role: blocks reserved, KV in flight, not scheduled
+    LOADING_KV = "loading_kv"  # a prefix's KV is copied in from another tier; not scheduled
     PREFILLED = "prefilled"  # prefill role: prompt done, blocks pinned until release()
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
@@ -64,7 +66,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hits at the first schedule
+    num_cached_tokens: int = 0  # prompt tokens reused (any tier) at the first schedule
+    kv_reuse: KVReuse | None = None  # set at the first admission
+    skip_tier_loads: bool = False  # a load from another tier failed: compute instead
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

@@ -23,6 +23,7 @@ from pdserve.engine.scheduler_output import (
     SchedulerOutput,
     StepPlan,
 )
+from pdserve.engine.tier_loads import TierLoads
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,12 @@ class Scheduler:
     blocks stay put until `release`/`activate_received`/`finish_request`, so the handoff
     may read or write them meanwhile. Finished requests are forgotten.
 
-    Batch seats (``max_num_seqs``) are held by RUNNING and AWAITING_KV requests, so an
-    activation never overfills the batch.
+    Batch seats (``max_num_seqs``) are held by RUNNING, AWAITING_KV and LOADING_KV requests,
+    so an activation never overfills the batch.
+
+    With `loads` set, a waiting request whose prefix continues in the host tier may load it
+    instead of computing it (LOADING_KV: its blocks filled by a copy, never scheduled) until
+    `finish_load`; a failed load puts it back at the front of WAITING to compute instead.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
@@ -57,6 +62,7 @@ class Scheduler:
         # (hit rate = hit / admitted).
         self.num_admitted_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.loads: TierLoads | None = None
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -76,8 +82,13 @@ class Scheduler:
         return self._num_awaiting_kv
 
     @property
+    def num_loading(self) -> int:
+        return 0 if self.loads is None else len(self.loads.loading_requests())
+
+    @property
     def num_prefilled(self) -> int:
-        return len(self._requests) - len(self._waiting) - len(self._running) - self._num_awaiting_kv
+        return (len(self._requests) - len(self._waiting) - len(self._running)
+                - self._num_awaiting_kv - self.num_loading)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -226,7 +237,36 @@ class Scheduler:
             self._running.remove(request)
         elif request.status is RequestStatus.AWAITING_KV:
             self._num_awaiting_kv -= 1
+        elif request.status is RequestStatus.LOADING_KV:
+            assert self.loads is not None
+            self.loads.abort(request_id)  # its blocks are freed once the copy ended
+            request.set_finished(status)
+            del self._requests[request_id]
+            del self._order[request_id]
+            return
         self._finish(request, status)
+
+    def finish_load(self, request_id: str, error: str | None, seconds: float) -> None:
+        """The copy of a LOADING_KV request's prefix ended: it runs from the loaded prefix,
+        or (``error``) computes it from the start of WAITING."""
+        assert self.loads is not None
+        finished = self.loads.finish(request_id, error, seconds)
+        if finished is None:
+            return
+        request, loaded = finished
+        if not loaded:
+            self.kv.free(request)
+            request.skip_tier_loads = True
+            request.status = RequestStatus.WAITING
+            self._waiting.appendleft(request)
+            return
+        self.kv.cache_full_blocks(request)
+        self.num_admitted_tokens += request.num_tokens
+        self.num_prefix_hit_tokens += request.num_computed_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=self.age)
 
     def release(self, request_id: str) -> None:
         """Prefill role: every send of a PREFILLED request's blocks completed; unpin them.
@@ -265,8 +305,8 @@ class Scheduler:
 
     @property
     def num_seated(self) -> int:
-        """Requests holding a batch seat: RUNNING and AWAITING_KV ones."""
-        return len(self._running) + self._num_awaiting_kv
+        """Requests holding a batch seat: RUNNING, AWAITING_KV and LOADING_KV ones."""
+        return len(self._running) + self._num_awaiting_kv + self.num_loading
 
     def age(self, request: Request) -> tuple[float, int]:
         """Sort key: arrival time, then registration order."""
@@ -347,6 +387,12 @@ class Scheduler:
         while i < len(self._waiting) and limit > 0 and self.num_seated < self.config.max_num_seqs:
             request = self._waiting[i]
             cached_ids, num_cached = self.kv.find_cached_prefix(request)
+            loading = self._start_load(request, cached_ids)
+            if loading is not None:
+                if not loading:
+                    return
+                del self._waiting[i]
+                continue
             num_new = request.num_tokens - num_cached
             if num_new > min(limit, cap):
                 i += 1  # long: it waits for step 4
@@ -364,12 +410,28 @@ class Scheduler:
         while self._waiting and plan.budget > 0:
             request = self._waiting[0]
             cached_ids, num_cached = self.kv.find_cached_prefix(request)
+            loading = (self._start_load(request, cached_ids)
+                       if self.num_seated < self.config.max_num_seqs else None)
+            if loading:
+                self._waiting.popleft()
+                continue
             num_new = self._chunk_size(request, num_cached, plan.budget)
-            if (self.num_seated >= self.config.max_num_seqs
+            if (loading is False or self.num_seated >= self.config.max_num_seqs
                     or not self._admit(plan, request, num_new, cached_ids, num_cached)):
                 self._head_blocked = True
                 return
             self._waiting.popleft()
+
+    def _start_load(self, request: Request, cached_ids: list[int]) -> bool | None:
+        """Start loading the request's prefix from another tier when the cost model says so:
+        True (it is LOADING_KV now), False (a load was chosen but its blocks do not fit),
+        None (no load: compute)."""
+        if self.loads is None:
+            return None
+        plan = self.loads.plan(request, len(cached_ids))
+        if plan is None:
+            return None
+        return self.loads.start(request, cached_ids, plan)
 
     def _admit(self, plan: StepPlan, request: Request, num_new: int, cached_ids: list[int],
                num_cached: int) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.kv_cost import KVReuse
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -21,6 +22,9 @@ class PrefillRequest:
     # Prompt tokens whose KV the decode worker already holds (whole blocks): the ticket's
     # blocks start after them.
     decode_cached_tokens: int = 0
+    # The prefill replicas best first (ingress's prefix index and loads): the role's request
+    # router follows it.
+    replica_ranking: tuple[str, ...] = ()
 
 
 def first_block_to_send(request: PrefillRequest, ticket_num_tokens: int, block_size: int) -> int:
@@ -46,3 +50,4 @@ class PrefillResult:
     queue_s: float  # from arrival at the worker until its first chunk was scheduled
     compute_s: float  # from the first scheduled chunk until the first token was sampled
     first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    kv_reuse: KVReuse | None = None  # how the prompt's prefix was reused, by tier

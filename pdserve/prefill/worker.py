@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -25,9 +26,11 @@ from pdserve.handoff import (
     OutboundTransfer,
     SendResult,
 )
+from pdserve.handoff.kv_event_server import serve_engine_events
+from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
-from pdserve.replica import WorkerLoad
+from pdserve.replica import WorkerLoad, tier_load
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +45,12 @@ class PrefillWorker:
     """
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig,
-                 drain_timeout_s: float) -> None:
+                 drain_timeout_s: float,
+                 node_host: Callable[[], str] = lambda: "127.0.0.1",
+                 kv_store: MooncakeSettings | None = None) -> None:
         """``drain_timeout_s``: how long a stopping replica waits for its transfers in flight
-        (handoff.drain_timeout_s)."""
+        (handoff.drain_timeout_s); ``node_host``: this machine's address for other nodes
+        (where the KV event plane listens)."""
         configure_logging()
         # Before any engine thread starts: threads inherit the binding.
         self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
@@ -56,6 +62,11 @@ class PrefillWorker:
             self.transport.stop()
             raise
         self.sender = HandoffSender(self.transport, device=self.engine.device)
+        if kv_store is not None:  # before the engine thread starts
+            client = connect_store(kv_store, node_host())
+            if client is not None:
+                self.engine.tiers.attach_store(client)
+        self.events = serve_engine_events(self.engine, handoff_config.auth_token, node_host())
         # Both touched only on the engine thread (commands and the layer hook run there).
         # Ticket and first block to send (after what the decode worker already holds).
         self._tickets: dict[str, tuple[HandoffTicket, int]] = {}
@@ -100,6 +111,7 @@ class PrefillWorker:
             queue_s=first.queue_s,
             compute_s=max(0.0, time.monotonic() - arrived - first.queue_s),
             first_logprobs=first.logprobs[0] if first.logprobs else None,
+            kv_reuse=first.kv_reuse,
         )
 
     def _send_layer(self, layer: int, output: SchedulerOutput) -> None:
@@ -156,7 +168,9 @@ class PrefillWorker:
         kv, sched = self.engine.kv_manager, self.engine.scheduler
         return WorkerLoad(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
                           num_running=sched.num_running, num_waiting=sched.num_waiting,
-                          num_queued_tokens=self.num_queued_tokens).to_stats()
+                          num_queued_tokens=self.num_queued_tokens,
+                          kv_events_address=self.events.address,
+                          **tier_load(self.engine.tiers.stats())).to_stats()
 
     def check_health(self) -> None:
         if self.async_engine.is_dead:
@@ -181,6 +195,7 @@ class PrefillWorker:
         if left:
             logger.warning("stopping with %d KV transfer(s) still sending; decode will "
                            "recompute them", left)
+        self.events.close()
         self.sender.close()
         self.transport.stop()
         self.async_engine.shutdown()

@@ -10,6 +10,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
+from pdserve.engine.kv_cost import KVReuse
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
 from pdserve.router.delta import GenerationDelta
@@ -31,6 +32,7 @@ class ChoiceOutcome:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Seconds between tokens as they arrived; tokens of one delta share its gap evenly.
     token_gaps: list[float] = field(default_factory=list)
+    kv_reuse: KVReuse | None = None
 
     def record(self, delta: GenerationDelta, now: float) -> None:
         if delta.token_ids:
@@ -44,6 +46,8 @@ class ChoiceOutcome:
         self.logprobs += delta.logprobs
         self.num_output_tokens += len(delta.token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.kv_reuse is not None:
+            self.kv_reuse = delta.kv_reuse
         if delta.finished and delta.finish_reason:
             self.finish_reason = delta.finish_reason
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.kv_cost import KVReuse
 from pdserve.engine.sampler import TokenLogprobs
 
 
@@ -18,3 +19,4 @@ class GenerationDelta:
     finish_reason: str | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, if asked
+    kv_reuse: KVReuse | None = None  # how the prompt's prefix was reused (first delta)

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from pdserve.engine.kv_events import Tier
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.log import configure_logging
@@ -35,6 +36,7 @@ from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.http_socket import tune_serve_http_socket
 from pdserve.router.metrics import PdserveMetrics
 from pdserve.router.pipeline import GenerationPipeline, PipelineSettings
+from pdserve.router.placement import PrefixPlacement
 from pdserve.router.prompts import Prompt, PromptBuilder
 from pdserve.router.protocol import (
     ChatCompletionRequest,
@@ -45,10 +47,10 @@ from pdserve.router.protocol import (
     unix_time,
 )
 from pdserve.router.responses import ResponseContext, StreamWriter, whole_response
-from pdserve.router.roles import RoleMonitor, serve_replica_counts
+from pdserve.router.roles import ReplicaLoad, RoleMonitor, serve_replica_counts
 from pdserve.router.sse import DONE_EVENT, error_event
 from pdserve.router.stalls import StallSettings, StallWatch, WatchedEventStream, WatchedStream
-from pdserve.router.timings import RequestTrace, time_per_output_token_ms
+from pdserve.router.timings import RequestTrace, reuse_fields, time_per_output_token_ms
 from pdserve.router.token_plane import TokenPlane
 
 logger = logging.getLogger("pdserve.requests")  # one JSON line per request
@@ -83,12 +85,14 @@ class Ingress:
         self.prompts = PromptBuilder(self.tokenizer, settings.max_model_len,
                                      settings.served_model_name)
         self.roles: RoleMonitor | None = None
+        ranked = settings.pipeline.prefill_ranked or settings.pipeline.decode_ranked
+        self.placement = PrefixPlacement(settings.plane_token) if ranked else None
         if decode is not None:
             handles = {"decode": decode} | ({"prefill": prefill} if prefill is not None else {})
-            self.roles = RoleMonitor(handles, self._replica_counts)
+            self.roles = RoleMonitor(handles, self._replica_counts, on_loads=self._follow_loads)
         self.plane = TokenPlane(settings.plane_token, node_ip())
         self.pipeline = GenerationPipeline(decode, prefill, settings.pipeline, self.plane,
-                                           self.roles)
+                                           self.roles, self.placement)
         self.admission = AdmissionGate(settings.max_in_flight_requests)
         self.metrics = PdserveMetrics()
         self.stalls = StallWatch(self.plane.subscription, settings.stalls)
@@ -100,6 +104,14 @@ class Ingress:
         from pdserve.router.http_app import build_app
 
         return build_app(self)
+
+    def _follow_loads(self, loads: list[ReplicaLoad]) -> None:
+        """Every poll: the prefix index follows exactly the running replicas' KV events."""
+        if self.placement is None:
+            return
+        for role in self.placement.feeds:
+            self.placement.sync(role, [(load.replica_id, load) for load in loads
+                                       if load.role == role])
 
     async def _replica_counts(self) -> dict[str, int]:
         from ray import serve
@@ -264,6 +276,8 @@ class Ingress:
 
     def _finish(self, trace: RequestTrace, outcome: ChoiceOutcome, status: str) -> None:
         self.admission.leave()
+        if outcome.kv_reuse is not None:
+            trace.update(**reuse_fields(outcome.kv_reuse))
         if trace.deadline_passed and status != "ok":
             status = "timeout"
         trace.update(
@@ -329,6 +343,18 @@ class Ingress:
         sink = await self.plane.sink()
         return asdict(self.plane.stats) | {"host": sink.host, "port": sink.port,
                                            "num_subscriptions": len(self.plane.subscriptions())}
+
+    async def prefix_index_stats(self) -> dict[str, dict[str, dict[str, int]]]:
+        """The cluster prefix index as this ingress holds it: per role, per replica it
+        follows, the blocks it knows in each tier."""
+        if self.placement is None:
+            return {}
+        if self.roles is not None:
+            self.roles.start()  # the index follows what the role monitor polls
+        return {role: {rid: {tier.value: feed.index.num_blocks(rid, tier)
+                             for tier in (Tier.DEVICE, Tier.HOST)}
+                       for rid in feed.index.replica_ids}
+                for role, feed in self.placement.feeds.items()}
 
     async def kv_stats(self) -> dict[str, Any]:
         """Block counts of every role as the ingress sees them (one replica each)."""

@@ -92,6 +92,23 @@ class PdserveMetrics:
         self._in_flight = Gauge("pdserve:num_requests_in_flight", "Requests this ingress "
                                 "admitted that have not finished (n choices count n), against "
                                 "router.max_in_flight_requests.", registry=r)
+        self._cache_queries = Counter("pdserve:prefix_cache_queries", "Prompt tokens looked "
+                                      "up in the prefix caches (vLLM's name).", registry=r)
+        self._cache_hits = Counter("pdserve:prefix_cache_hits", "Prompt tokens reused instead "
+                                   "of computed, by the tier their KV came from (device, host, "
+                                   "...); misses are queries minus hits.", ["tier"], registry=r)
+        self._load_choices = Counter("pdserve:kv_load_decisions", "Requests whose prefix "
+                                     "continued in another tier, by that tier and the measured "
+                                     "choice (load or recompute).", ["tier", "choice"],
+                                     registry=r)
+        self._load_bytes = Counter("pdserve:kv_load_bytes", "KV bytes loaded from a tier.",
+                                   ["tier"], registry=r)
+        self._load_seconds = Histogram("pdserve:kv_load_seconds", "Time to load a prefix's KV "
+                                       "from a tier into device blocks, verified.", ["tier"],
+                                       buckets=LATENCY_BUCKETS_S, registry=r)
+        self._load_failures = Counter("pdserve:kv_load_failures", "Chosen loads that failed and "
+                                      "were computed instead, by reason.", ["tier", "reason"],
+                                      registry=r)
         replica = ["role", "replica"]
         self._kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of a replica's KV "
                                "blocks in use (cached-only blocks count as free).", replica,
@@ -100,6 +117,8 @@ class PdserveMetrics:
                               "computing.", replica, registry=r)
         self._waiting = Gauge("pdserve:num_requests_waiting", "Requests a replica holds that "
                               "wait to be scheduled (or for their KV).", replica, registry=r)
+        self._host_usage = Gauge("pdserve:kv_host_cache_usage_perc", "Fraction of a replica's "
+                                 "host-tier blocks holding cached KV.", replica, registry=r)
 
     def observe(self, timings: RequestTimings) -> None:
         """Record one finished request (any status)."""
@@ -120,9 +139,25 @@ class PdserveMetrics:
         if timings.handoff_bytes is not None:
             self._handoff_bytes.observe(timings.handoff_bytes)
         self._prefix_hit.inc(timings.prefix_hit_tokens)
+        self._observe_tiers(timings)
         self._prefill_computed.inc(timings.num_prefill_tokens_computed)
         self._prompt_tokens.inc(timings.num_prompt_tokens)
         self._output_tokens.inc(timings.num_output_tokens)
+
+    def _observe_tiers(self, timings: RequestTimings) -> None:
+        self._cache_queries.inc(timings.num_prompt_tokens)
+        self._cache_hits.labels(tier="device").inc(
+            max(0, timings.prefix_hit_tokens - timings.kv_loaded_tokens))
+        tier = timings.kv_tier or "host"
+        if timings.kv_loaded_tokens:
+            self._cache_hits.labels(tier=tier).inc(timings.kv_loaded_tokens)
+            self._load_bytes.labels(tier=tier).inc(timings.kv_load_bytes)
+            if timings.kv_load_ms is not None:
+                self._load_seconds.labels(tier=tier).observe(timings.kv_load_ms / 1000.0)
+        if timings.kv_load_choice is not None:
+            self._load_choices.labels(tier=tier, choice=timings.kv_load_choice).inc()
+        if timings.kv_load_failure is not None:
+            self._load_failures.labels(tier=tier, reason=timings.kv_load_failure).inc()
 
     def observe_refusal(self, reason: str) -> None:
         self._refused.labels(reason=reason).inc()
@@ -136,11 +171,14 @@ class PdserveMetrics:
         """The Prometheus text exposition of every metric, for ``GET /metrics``, with the
         roles' latest reported loads."""
         self._in_flight.set(num_in_flight)
-        for gauge in (self._kv_usage, self._running, self._waiting):
+        for gauge in (self._kv_usage, self._running, self._waiting, self._host_usage):
             gauge.clear()
         for load in loads:
             labels = {"role": load.role, "replica": load.replica_id}
             self._kv_usage.labels(**labels).set(load.kv_usage)
             self._running.labels(**labels).set(load.num_running)
             self._waiting.labels(**labels).set(load.num_waiting)
+            if load.num_host_blocks:
+                self._host_usage.labels(**labels).set(
+                    load.num_host_cached_blocks / load.num_host_blocks)
         return generate_latest(self.registry)

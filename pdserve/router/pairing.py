@@ -1,10 +1,10 @@
-"""How the router ranks replicas of each role: prefix affinity for prefill, KV headroom for
-decode. Pure functions and one small table; the Serve glue is in `replica_routing.py`.
+"""How the router ranks replicas of each role: by the cached prefix the cluster's prefix index
+reports and their load (prefill, and decode's prefix_affinity), or by KV headroom (decode).
+Pure functions and one small table; the Serve glue is in `replica_routing.py`.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -13,61 +13,65 @@ from typing import TypeVar
 ReplicaT = TypeVar("ReplicaT", bound=Hashable)
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[bytes]:
-    """Chained hashes of the prompt's first full blocks: equal prefixes give equal chains."""
-    hashes: list[bytes] = []
-    parent = b""
-    for i in range(min(len(token_ids) // block_size, max_blocks)):
-        block = token_ids[i * block_size:(i + 1) * block_size]
-        parent = hashlib.blake2b(parent + b"".join(t.to_bytes(4, "little") for t in block),
-                                 digest_size=16).digest()
-        hashes.append(parent)
-    return hashes
+class RecentRoutes:
+    """Which replica each prompt's blocks (engine hashes) were just routed to, for
+    ``ttl_s``: a prompt that arrives while its twin is still prefilling (before any KV
+    event could say so) follows it. Bounded; never outlives the events that confirm it."""
 
+    def __init__(self, ttl_s: float = 5.0, max_entries: int = 100_000) -> None:
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        self._routes: OrderedDict[bytes, tuple[Hashable, float]] = OrderedDict()
 
-class PrefixOwnerTable:
-    """Remembers which replica last prefilled each prefix block (LRU-bounded).
-
-    The router's own picture of the replicas' prefix caches: cheap, never exact (a replica
-    may have evicted the blocks), so it only steers, it never guarantees a hit.
-    """
-
-    def __init__(self, max_entries: int = 100_000) -> None:
-        self.max_entries = max_entries
-        self._owners: OrderedDict[bytes, Hashable] = OrderedDict()
-
-    def record(self, hashes: Sequence[bytes], replica: Hashable) -> None:
+    def record(self, hashes: Sequence[bytes], replica: Hashable, now: float) -> None:
         for h in hashes:
-            self._owners[h] = replica
-            self._owners.move_to_end(h)
-        while len(self._owners) > self.max_entries:
-            self._owners.popitem(last=False)
+            self._routes[h] = (replica, now + self.ttl_s)
+            self._routes.move_to_end(h)
+        while len(self._routes) > self.max_entries:
+            self._routes.popitem(last=False)
 
-    def owner(self, hashes: Sequence[bytes], live: set[Hashable]) -> tuple[Hashable | None, int]:
-        """The live replica holding the longest recorded prefix, and its length in blocks."""
-        for depth in range(len(hashes), 0, -1):
-            replica = self._owners.get(hashes[depth - 1])
-            if replica is not None and replica in live:
-                return replica, depth
-        return None, 0
+    def depth(self, hashes: Sequence[bytes], replica: Hashable, now: float) -> int:
+        """Leading blocks of ``hashes`` last routed to ``replica`` within the TTL."""
+        for depth, h in enumerate(hashes):
+            route = self._routes.get(h)
+            if route is None or route[0] != replica or route[1] < now:
+                return depth
+        return len(hashes)
 
     def forget(self, replica: Hashable) -> None:
-        for h in [h for h, r in self._owners.items() if r == replica]:
-            del self._owners[h]
+        for h in [h for h, (r, _) in self._routes.items() if r == replica]:
+            del self._routes[h]
 
 
-def rank_by_affinity(replicas: Sequence[ReplicaT], owner: ReplicaT | None,
-                     queue_lens: Mapping[ReplicaT, int],
-                     max_imbalance: int) -> list[list[ReplicaT]]:
-    """The prefix owner first, unless its queue is `max_imbalance` longer than the shortest
-    (a cache hit is not worth waiting behind a backlog); then everyone else."""
-    if owner is None or owner not in replicas:
-        return [list(replicas)]
-    others = [r for r in replicas if r != owner]
-    shortest = min((queue_lens.get(r, 0) for r in replicas), default=0)
-    if queue_lens.get(owner, 0) - shortest > max_imbalance:
-        return [others, [owner]] if others else [[owner]]
-    return [[owner], others] if others else [[owner]]
+@dataclass(frozen=True)
+class PrefixCost:
+    """A replica's estimated prefill work for one prompt, in token-equivalents: the tokens
+    it would compute, host-tier tokens at ``host_weight`` each (loading beats computing),
+    and the prompt tokens already queued there."""
+
+    num_compute_tokens: int
+    num_host_tokens: int
+    num_queued_tokens: int
+    host_weight: float
+
+    @property
+    def total(self) -> float:
+        return (self.num_compute_tokens + self.host_weight * self.num_host_tokens
+                + self.num_queued_tokens)
+
+
+def rank_by_prefix(replicas: Sequence[ReplicaT], costs: Mapping[ReplicaT, PrefixCost],
+                   band_tokens: float) -> list[list[ReplicaT]]:
+    """Cheapest first: replicas within ``band_tokens`` of the cheapest share the first rank
+    (Serve picks the shortest queue among them), the rest follow one by one by cost.
+    Replicas without a cost come last."""
+    known = sorted((r for r in replicas if r in costs), key=lambda r: costs[r].total)
+    unknown = [r for r in replicas if r not in costs]
+    if not known:
+        return [list(replicas)] if replicas else []
+    best = costs[known[0]].total
+    top = [r for r in known if costs[r].total <= best + band_tokens]
+    rest = [[r] for r in known if costs[r].total > best + band_tokens]
+    return [top, *rest] + ([unknown] if unknown else [])
 
 
 @dataclass(frozen=True)

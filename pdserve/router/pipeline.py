@@ -19,10 +19,11 @@ from pdserve.prefill.api import PrefillRequest, PrefillResult
 from pdserve.router.decode_call import DecodeCall, HandoffFailedSignal
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import OverloadedError, ServiceUnavailableError
+from pdserve.router.placement import PrefixPlacement
 from pdserve.router.prefill_load import LocalPrefillPolicy, PrefillLoad
 from pdserve.router.race import Overtaken, unless
 from pdserve.router.roles import RoleMonitor, replica_died
-from pdserve.router.timings import RequestTrace
+from pdserve.router.timings import RequestTrace, reuse_fields
 from pdserve.router.token_plane import DecodeGoneError, TokenPlane
 
 logger = logging.getLogger(__name__)
@@ -36,19 +37,39 @@ class PipelineSettings:
     min_disaggregated_prompt_tokens: int
     # Longer prompts too, while the prefill role is busy (see prefill_load.py).
     local_prefill: LocalPrefillPolicy
+    # Whether a role's replicas are ranked by cached prefix (router.*_policy prefix_affinity).
+    prefill_ranked: bool = False
+    decode_ranked: bool = False
 
 
 class GenerationPipeline:
     """Runs a tokenized request on the workers, through whichever path it qualifies for."""
 
     def __init__(self, decode: Any, prefill: Any | None, settings: PipelineSettings,
-                 plane: TokenPlane, roles: RoleMonitor | None = None) -> None:
+                 plane: TokenPlane, roles: RoleMonitor | None = None,
+                 placement: PrefixPlacement | None = None) -> None:
         self.decode = decode
         self.prefill = prefill
         self.settings = settings
         self.plane = plane
         self.roles = roles
+        self.placement = placement
         self.prefill_load = PrefillLoad(settings.local_prefill)
+
+    def _ranking(self, role: str, prompt_ids: list[int], prefills: bool,
+                 trace: RequestTrace | None = None) -> tuple[str, ...]:
+        """The role's replicas best first for this prompt (() when the role is not ranked by
+        cached prefix); ``prefills``: the replica computes the prompt (its host tier counts)."""
+        ranked = self.settings.prefill_ranked if role == "prefill" else self.settings.decode_ranked
+        if not ranked or self.placement is None or self.roles is None:
+            return ()
+        loads = [(load.replica_id, load) for load in self.roles.loads() if load.role == role]
+        placement = self.placement.rank(role if not prefills else "prefill", prompt_ids, loads,
+                                        feed_role=role)
+        if trace is not None and placement.ranking:
+            trace.update(routed_cached_tokens=min(
+                placement.cached_tokens(placement.ranking[0]), len(prompt_ids)))
+        return placement.ranking
 
     def choose_path(self, num_prompt_tokens: int) -> tuple[str, str | None]:
         """The request's path, and why it is not the planned one (None: it is)."""
@@ -94,7 +115,8 @@ class GenerationPipeline:
         already has, recomputed rather than generated)."""
         request = DecodeRequest(request_id, prompt_ids, params, local_prefill=True,
                                 sink=await self.plane.sink(),
-                                resume_output_ids=resume_output_ids)
+                                resume_output_ids=resume_output_ids,
+                                replica_ranking=self._ranking("decode", prompt_ids, True, trace))
         async with self._decode_call(request, trace, stream) as call:
             call.follow()
             async for delta in call.deltas():
@@ -105,7 +127,8 @@ class GenerationPipeline:
         trace: RequestTrace, stream: bool,
     ) -> AsyncGenerator[GenerationDelta, None]:
         request = DecodeRequest(request_id, prompt_ids, params, local_prefill=False,
-                                sink=await self.plane.sink())
+                                sink=await self.plane.sink(),
+                                replica_ranking=self._ranking("decode", prompt_ids, False))
         fallback: tuple[str, tuple[int, ...]] | None = None
         async with self._decode_call(request, trace, stream) as call:
             try:
@@ -145,7 +168,8 @@ class GenerationPipeline:
         trace.update(decode_reserve_ms=(time.monotonic() - reserve_start) * 1000.0)
         prefill_call = self.prefill.prefill.remote(  # type: ignore[union-attr]
             PrefillRequest(request.request_id, request.prompt_token_ids,
-                           request.sampling_params, ticket.ticket, ticket.num_cached_tokens))
+                           request.sampling_params, ticket.ticket, ticket.num_cached_tokens,
+                           self._ranking("prefill", request.prompt_token_ids, True, trace)))
         queued = len(request.prompt_token_ids) - ticket.num_cached_tokens
         self.prefill_load.begin(queued)
         try:
@@ -165,7 +189,8 @@ class GenerationPipeline:
         trace.update(prefill_queue_ms=result.queue_s * 1000.0,
                      prefill_compute_ms=result.compute_s * 1000.0,
                      prefix_hit_tokens=result.num_cached_tokens,
-                     prefill_tokens_computed=result.num_computed_tokens)
+                     prefill_tokens_computed=result.num_computed_tokens,
+                     **reuse_fields(result.kv_reuse))
         return result
 
     @asynccontextmanager

@@ -11,64 +11,40 @@ from typing import Any
 from ray.serve.request_router import (
     FIFOMixin,
     PendingRequest,
-    ReplicaID,
-    ReplicaResult,
     RequestRouter,
     RunningReplica,
 )
 
 from pdserve.replica import WorkerLoad
-from pdserve.router.pairing import (
-    KVHeadroom,
-    PrefixOwnerTable,
-    prefix_hashes,
-    rank_by_affinity,
-    rank_by_headroom,
-)
+from pdserve.router.pairing import KVHeadroom, rank_by_headroom
 
 # Why Serve's RequestRouter and not the ingress's own replica tracking: Serve already knows
 # the live replicas, probes queue lengths, retries with backoff and handles replicas dying;
-# our policies only add what Serve cannot know (prefix ownership, KV headroom).
+# our policies only add what Serve cannot know (cached prefixes, KV headroom).
 
 
-def _prompt_of(pending: PendingRequest | None) -> list[int]:
+def _ranking_of(pending: PendingRequest | None) -> tuple[str, ...]:
     if pending is None or not pending.args:
-        return []
-    return list(getattr(pending.args[0], "prompt_token_ids", []) or [])
+        return ()
+    return tuple(getattr(pending.args[0], "replica_ranking", ()) or ())
 
 
-class PrefixAffinityRouter(FIFOMixin, RequestRouter):
-    """Send a prompt where its prefix went last, unless that replica lags: for prefill (the
-    prefix is computed already) and for decode (its KV need not be sent again)."""
+class RankedRouter(FIFOMixin, RequestRouter):
+    """Follow the replica ranking the ingress put on the request (`router/placement.py`:
+    cached prefix from the cluster's prefix index, and load), one replica per rank; replicas
+    it does not name come last, together (Serve picks the shortest queue among them)."""
 
-    def initialize_state(self, block_size: int, max_prefix_blocks: int = 64,
-                         max_imbalance: int = 4, **_: Any) -> None:
-        """``block_size``: engine.block_size (the app passes it), so hashes cover whole blocks."""
-        self.block_size = block_size
-        self.max_prefix_blocks = max_prefix_blocks
-        self.max_imbalance = max_imbalance
-        self.owners = PrefixOwnerTable()
+    def initialize_state(self, **_: Any) -> None:
+        pass
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        hashes = prefix_hashes(_prompt_of(pending_request), self.block_size,
-                               self.max_prefix_blocks)
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        owner, _ = self.owners.owner(hashes, set(by_id))
-        queue_lens = {rid: self.replica_queue_len_cache.get(rid) or 0 for rid in by_id}
-        ranks = rank_by_affinity(list(by_id), owner, queue_lens, self.max_imbalance)
-        return [[by_id[rid] for rid in rank] for rank in ranks if rank]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
-                          result: ReplicaResult) -> None:
-        hashes = prefix_hashes(_prompt_of(pending_request), self.block_size,
-                               self.max_prefix_blocks)
-        self.owners.record(hashes, replica_id)
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self.owners.forget(replica_id)
+        by_id = {str(r.replica_id.unique_id): r for r in candidate_replicas}
+        ranked = [[by_id[rid]] for rid in _ranking_of(pending_request) if rid in by_id]
+        named = {id(rank[0]) for rank in ranked}
+        rest = [r for r in candidate_replicas if id(r) not in named]
+        return ranked + ([rest] if rest else [])
 
 
 class KVHeadroomRouter(FIFOMixin, RequestRouter):

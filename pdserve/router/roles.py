@@ -43,10 +43,12 @@ class RoleMonitor:
 
     def __init__(self, handles: Mapping[str, Any], counts: Callable[[], Awaitable[ReplicaCounts]],
                  interval_s: float = 1.0, probe_timeout_s: float = 2.0,
-                 routing_stats: RoutingStats | None = None) -> None:
+                 routing_stats: RoutingStats | None = None,
+                 on_loads: Callable[[list[ReplicaLoad]], None] | None = None) -> None:
         self.handles = dict(handles)
         self._counts_source = counts
         self._routing_stats = routing_stats or serve_routing_stats
+        self._on_loads = on_loads  # told every poll's loads (the prefix index follows them)
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
         self.counts: dict[str, int] | None = None  # None until the first poll answered
@@ -108,6 +110,8 @@ class RoleMonitor:
         self.counts = counts
         self._loads = [load for role in self.handles if counts.get(role)
                        for load in self._reported(role)]
+        if self._on_loads is not None:
+            self._on_loads(self._loads)
         self.refreshed.set()
         if {load.role for load in self._loads} | self._unreadable >= set(self.handles):
             self.loads_known.set()

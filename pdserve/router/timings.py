@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from pdserve.engine.kv_cost import KVReuse
+
 RequestPath = Literal["disaggregated", "local_prefill", "colocated", "recompute_fallback"]
 RequestStatus = Literal["ok", "error", "cancelled", "timeout", "rejected", "stalled"]
 
@@ -68,6 +70,20 @@ class RequestTimings:
     # Lifecycle events the decode worker's Serve calls carried (tokens go over the token
     # plane): a ticket and the KV's outcome on the disaggregated path, none otherwise.
     num_serve_messages: int = 0
+    # KV reuse beyond the device cache: when another tier (``kv_tier``: host, ...) held more
+    # of the prompt's prefix, the choice (``load`` or ``recompute``) and both estimates; what
+    # was loaded from it, in how long; why a chosen load fell back to compute.
+    kv_load_choice: str | None = None
+    kv_load_estimate_ms: float | None = None
+    kv_compute_estimate_ms: float | None = None
+    kv_tier: str | None = None
+    kv_loaded_tokens: int = 0
+    kv_load_bytes: int = 0
+    kv_load_ms: float | None = None
+    kv_load_failure: str | None = None
+    kv_device_hit_tokens: int = 0
+    # The cached prefix (tokens, device or host) the prefix index saw on the chosen replica.
+    routed_cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.path is not None and self.path not in REQUEST_PATHS:
@@ -103,6 +119,27 @@ class RequestTimings:
             record[f.name] = round(value, 3) if isinstance(value, float) else value
         record["prefill_tokens_computed"] = self.num_prefill_tokens_computed
         return json.dumps(record, separators=(",", ":"))
+
+
+def reuse_fields(reuse: KVReuse | None) -> dict[str, Any]:
+    """The `RequestTimings` fields of a worker's reuse record."""
+    if reuse is None:
+        return {}
+    decision = reuse.decision
+    fields_: dict[str, Any] = {"kv_device_hit_tokens": reuse.num_device_tokens,
+                               "kv_loaded_tokens": reuse.num_loaded_tokens,
+                               "kv_tier": None if decision is None else decision.tier,
+                               "kv_load_failure": reuse.failure,
+                               "kv_load_ms": None if reuse.load_s is None
+                               else reuse.load_s * 1000.0}
+    if decision is not None:
+        fields_.update(
+            kv_load_choice="load" if decision.load else "recompute",
+            kv_load_estimate_ms=None if decision.load_s is None else decision.load_s * 1000.0,
+            kv_compute_estimate_ms=(None if decision.compute_s is None
+                                    else decision.compute_s * 1000.0),
+            kv_load_bytes=decision.num_bytes if reuse.num_loaded_tokens else 0)
+    return fields_
 
 
 class RequestTrace:

@@ -22,6 +22,7 @@ from pdserve.decode.token_wire import (
     decode_logprobs,
     ingress_handshake,
 )
+from pdserve.engine.kv_cost import KVReuse
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import ServiceUnavailableError
 
@@ -122,13 +123,14 @@ def merge_entries(entries: list[Entry]) -> GenerationDelta:
     """Consecutive entries of one request as one delta: tokens, text and logprobs in order,
     the last one's finish."""
     last = entries[-1]
+    reuse = next((KVReuse.from_wire(e[7]) for e in entries if e[7] is not None), None)
     if len(entries) == 1:
         return GenerationDelta(last[2], last[1], last[3] is not None, last[3], last[5],
-                               decode_logprobs(last[6]))
+                               decode_logprobs(last[6]), reuse)
     return GenerationDelta(
         "".join(e[2] for e in entries), [t for e in entries for t in e[1]],
         last[3] is not None, last[3], max(e[5] for e in entries),
-        [lp for e in entries for lp in decode_logprobs(e[6])])
+        [lp for e in entries for lp in decode_logprobs(e[6])], reuse)
 
 
 class TokenPlane:

@@ -143,3 +143,33 @@ def samples_of(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text.decode())
             for sample in family.samples}
+
+
+def test_tier_reuse_goes_to_the_log_line_and_per_tier_metrics() -> None:
+    from pdserve.engine.kv_cost import KVReuse, LoadDecision
+    from pdserve.router.timings import reuse_fields
+
+    loaded = KVReuse(num_device_tokens=16, decision=LoadDecision("host", 48, 98304, 0.002, 0.05),
+                     num_loaded_tokens=48, load_s=0.003)
+    assert KVReuse.from_wire(loaded.to_wire()) == loaded
+    computed = KVReuse(num_device_tokens=0, decision=LoadDecision("host", 16, 32768, 0.5, 0.01))
+    failed = KVReuse(decision=LoadDecision("host", 32, 65536, 0.001, 0.03), failure="digest")
+    metrics = PdserveMetrics()
+    first = disaggregated("a", prefix_hit_tokens=64, **reuse_fields(loaded))
+    record = json.loads(first.to_log_line())
+    assert (record["kv_tier"], record["kv_load_choice"], record["kv_loaded_tokens"]) == (
+        "host", "load", 48)
+    assert record["kv_load_estimate_ms"] == 2.0 and record["kv_compute_estimate_ms"] == 50.0
+    metrics.observe(first)
+    metrics.observe(disaggregated("b", prefix_hit_tokens=0, **reuse_fields(computed)))
+    metrics.observe(disaggregated("c", prefix_hit_tokens=0, **reuse_fields(failed)))
+    got = samples(metrics)
+    assert got[("pdserve:prefix_cache_hits_total", (("tier", "host"),))] == 48
+    assert got[("pdserve:prefix_cache_hits_total", (("tier", "device"),))] == 16
+    assert got[("pdserve:prefix_cache_queries_total", ())] == 300
+    assert got[("pdserve:kv_load_decisions_total", (("choice", "load"), ("tier", "host")))] == 2
+    assert got[("pdserve:kv_load_decisions_total",
+                (("choice", "recompute"), ("tier", "host")))] == 1
+    assert got[("pdserve:kv_load_failures_total", (("reason", "digest"), ("tier", "host")))] == 1
+    assert got[("pdserve:kv_load_bytes_total", (("tier", "host"),))] == 98304
+    assert got[("pdserve:kv_load_seconds_count", (("tier", "host"),))] == 1

@@ -1,47 +1,98 @@
-"""Replica ranking policies, without Ray: prefix affinity for prefill, KV headroom for decode."""
+"""Replica ranking policies, without Ray: cached prefix and load for prefill (and decode's
+prefix_affinity), KV headroom for decode; the prefix index and placement over it."""
 
 from __future__ import annotations
 
+from pdserve.engine.block_hash import hash_full_blocks
+from pdserve.engine.kv_events import EventKind, Tier
+from pdserve.handoff.kv_event_wire import WorkerIdentity
+from pdserve.replica import WorkerLoad
 from pdserve.router.pairing import (
     KVHeadroom,
-    PrefixOwnerTable,
-    prefix_hashes,
-    rank_by_affinity,
+    PrefixCost,
+    RecentRoutes,
     rank_by_headroom,
+    rank_by_prefix,
 )
+from pdserve.router.placement import PrefixPlacement
+from pdserve.router.prefix_index import PrefixIndex, PrefixMatch
 
 
-def test_prefix_hashes_chain_and_stop_at_full_blocks() -> None:
-    a = prefix_hashes(list(range(40)), block_size=16, max_blocks=8)
-    b = prefix_hashes(list(range(32)) + [999] * 8, block_size=16, max_blocks=8)
-    assert len(a) == 2 and a == b  # the partial third block never counts
-    c = prefix_hashes([5] + list(range(1, 40)), block_size=16, max_blocks=8)
-    assert c[0] != a[0] and c[1] != a[1]  # a change early on changes every later hash
-    capped = prefix_hashes(list(range(100)), 16, max_blocks=3)
-    assert capped == prefix_hashes(list(range(48)), 16, 3)
+def test_recent_routes_follow_a_prompt_for_their_ttl_only() -> None:
+    routes = RecentRoutes(ttl_s=5.0)
+    routes.record([b"a", b"b", b"c"], "r1", now=0.0)
+    assert routes.depth([b"a", b"b", b"x"], "r1", now=1.0) == 2
+    assert routes.depth([b"a"], "r2", now=1.0) == 0
+    assert routes.depth([b"a", b"b"], "r1", now=6.0) == 0  # expired
+    routes.forget("r1")
+    assert routes.depth([b"a"], "r1", now=1.0) == 0
 
 
-def test_owner_table_prefers_longest_live_prefix_and_forgets() -> None:
-    table = PrefixOwnerTable()
-    short, long_ = prefix_hashes(list(range(32)), 16, 8), prefix_hashes(list(range(64)), 16, 8)
-    table.record(short, "r1")
-    table.record(long_, "r2")  # r2 now owns the first two blocks as well as the next two
-    assert table.owner(long_, {"r1", "r2"}) == ("r2", 4)
-    assert table.owner(long_, {"r1"}) == (None, 0)  # r2 took over the blocks r1 had
-    table.forget("r2")
-    assert table.owner(long_, {"r1", "r2"}) == (None, 0)
-    bounded = PrefixOwnerTable(max_entries=3)
-    bounded.record(long_, "r1")
-    assert bounded.owner(long_[:1], {"r1"}) == (None, 0)  # evicted oldest entry first
-    assert bounded.owner(long_, {"r1"}) == ("r1", 4)
+def test_prefix_ranking_weighs_compute_host_tokens_and_queues() -> None:
+    costs = {"hit": PrefixCost(100, 0, 0, 0.1), "host": PrefixCost(100, 900, 0, 0.1),
+             "miss": PrefixCost(1000, 0, 0, 0.1), "busy": PrefixCost(100, 0, 5000, 0.1)}
+    ranks = rank_by_prefix(["miss", "busy", "host", "hit", "new"], costs, band_tokens=16)
+    assert ranks == [["hit"], ["host"], ["miss"], ["busy"], ["new"]]
+    tied = rank_by_prefix(["a", "b"], {"a": PrefixCost(10, 0, 0, 0.1),
+                                       "b": PrefixCost(20, 0, 0, 0.1)}, band_tokens=16)
+    assert tied == [["a", "b"]]  # within the band: Serve picks the shorter queue
 
 
-def test_affinity_ranks_owner_first_unless_it_lags() -> None:
-    replicas = ["a", "b", "c"]
-    assert rank_by_affinity(replicas, "b", {"a": 0, "b": 2, "c": 1}, 4) == [["b"], ["a", "c"]]
-    assert rank_by_affinity(replicas, "b", {"a": 0, "b": 9, "c": 1}, 4) == [["a", "c"], ["b"]]
-    assert rank_by_affinity(["a", "b"], None, {}, 4) == [["a", "b"]]
-    assert rank_by_affinity(["a"], "a", {"a": 50}, 4) == [["a"]]
+def test_the_index_matches_contiguous_prefixes_per_tier_and_layout() -> None:
+    index = PrefixIndex()
+    index.reset("r1", "L", 0, {Tier.DEVICE: [b"a", b"b"], Tier.HOST: [b"c"]})
+    index.reset("r2", "L", 0, {Tier.DEVICE: [b"a", b"c"]})  # b missing: c is a fragment
+    index.reset("other", "M", 0, {Tier.DEVICE: [b"a", b"b", b"c"]})
+    found = index.match([b"a", b"b", b"c", b"d"], ["r1", "r2", "other"], "L")
+    assert found == {"r1": PrefixMatch(2, 3), "r2": PrefixMatch(1, 1)}
+    index.check_integrity()
+
+
+def test_index_events_apply_in_order_and_a_gap_drops_the_replica() -> None:
+    index = PrefixIndex()
+    index.reset("r1", "L", 4, {Tier.DEVICE: [b"a"]})
+    assert index.apply("r1", 5, [(EventKind.STORED, Tier.DEVICE, b"b"),
+                                 (EventKind.REMOVED, Tier.DEVICE, b"a"),
+                                 (EventKind.STORED, Tier.HOST, b"a")])
+    assert index.seq("r1") == 7
+    assert index.match([b"a", b"b"], ["r1"], "L") == {"r1": PrefixMatch(0, 2)}
+    assert not index.apply("r1", 9, [(EventKind.STORED, Tier.DEVICE, b"c")])  # 8 is missing
+    assert index.replica_ids == [] and index.num_gaps == 1
+    assert index.match([b"a"], ["r1"], "L") == {}
+    index.check_integrity()
+
+
+def test_placement_ranks_by_the_engines_own_hashes() -> None:
+    placement = PrefixPlacement("token-0123456789abcdef")
+    feed = placement.feeds["prefill"]
+    prompt = list(range(64))
+    chain = hash_full_blocks(prompt, 16, "salt")
+    for rid, blocks in (("warm", chain[:3]), ("cold", [])):
+        feed.identities[rid] = WorkerIdentity(rid, "L", "salt", 16)
+        feed.index.reset(rid, "L", 0, {Tier.DEVICE: blocks})
+    load = WorkerLoad(num_blocks=8, num_free_blocks=8, num_running=0, num_waiting=0)
+    placed = placement.rank("prefill", prompt, [("cold", load), ("warm", load)])
+    assert placed.ranking == ("warm", "cold")
+    assert placed.cached_tokens("warm") == 48 and placed.cached_tokens("cold") == 0
+
+
+def test_a_decode_prefix_holder_keeps_a_repeat_unless_far_busier() -> None:
+    placement = PrefixPlacement("token-0123456789abcdef")
+    feed = placement.feeds["decode"]
+    prompt = list(range(64))
+    chain = hash_full_blocks(prompt, 16, "salt")
+    for rid, blocks in (("holder", chain[:3]), ("other", [])):
+        feed.identities[rid] = WorkerIdentity(rid, "L", "salt", 16)
+        feed.index.reset(rid, "L", 0, {Tier.DEVICE: blocks})
+
+    def load(waiting: int) -> WorkerLoad:
+        return WorkerLoad(num_blocks=8, num_free_blocks=8, num_running=0, num_waiting=waiting)
+
+    # One request awaiting its KV (as a late load report shows it) does not move the repeat.
+    placed = placement.rank("decode", prompt, [("other", load(0)), ("holder", load(1))])
+    assert placed.ranking[0] == "holder"
+    placed = placement.rank("decode", prompt, [("other", load(0)), ("holder", load(6))])
+    assert placed.ranking[0] == "other"
 
 
 def test_headroom_ranks_free_kv_first_within_band() -> None:

@@ -1,0 +1,140 @@
+"""KV tiers served for real: two prefill replicas ranked by the cluster prefix index, a host
+tier on every worker, device KV four times smaller than the documents' working set. Repeats
+find their prefix where it is (device or host), answers equal one engine's greedy tokens,
+disaggregated and colocated; every block of every tier comes back; a killed worker's index
+entries go at once."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from pdserve.cluster.config import engine_config
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kv_cache import GIB, kv_bytes_per_token
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.sampling_params import SamplingParams
+from tests.support.metrics import metric_value
+from tests.support.processes import replica_pids
+from tests.support.waiting import wait_for
+
+if TYPE_CHECKING:
+    from tests.support.ray_serve import ServedApps
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+MAX_TOKENS = 6
+DEVICE_BLOCKS = 48  # 768 tokens per worker
+DOC_TOKENS = 300  # 19 blocks: six documents are 114 blocks, over twice two workers' device KV
+
+
+def host_gb(path: str, num_blocks: int) -> float:
+    return num_blocks * 16 * kv_bytes_per_token(ModelConfig.from_checkpoint(path), "float32") / GIB
+
+
+def tiered(path: str, mode: str) -> dict[str, Any]:
+    from tests.support.ray_serve import app_config
+
+    raw = app_config(path, mode)
+    raw["engine"] |= {"num_kv_blocks": DEVICE_BLOCKS, "host_kv_cache_gb": host_gb(path, 512)}
+    raw["router"] |= {"prefill_policy": "prefix_affinity", "decode_policy": "prefix_affinity"}
+    raw["roles"]["decode"]["resources"] = {"num_cpus": 0.5}
+    if mode == "disaggregated":
+        raw["roles"]["prefill"] = {"replicas": 2, "resources": {"num_cpus": 0.5}}
+    return raw
+
+
+@pytest.fixture(scope="module")
+def documents(tiny_checkpoints: dict[str, str]) -> list[list[int]]:
+    vocab = ModelConfig.from_checkpoint(tiny_checkpoints["llama"]).vocab_size
+    rng = random.Random(7)
+    return [[rng.randrange(3, vocab) for _ in range(DOC_TOKENS)] for _ in range(6)]
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_checkpoints: dict[str, str]) -> Iterator[Any]:
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=512,
+                                     enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    yield lambda ids: engine.tokenizer.decode(engine.generate([ids], params)[0])
+    engine.close()
+
+
+def complete(url: str, ids: list[int]) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "pdserve_timings": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def settled(served: ServedApps, app: str) -> bool:
+    stats = served.kv_stats(app)
+    return all(s["num_free_blocks"] == s["num_blocks"] and s["num_loading"] == 0
+               and s["tiers"]["num_host_busy_blocks"] == 0
+               and s["tiers"]["num_store_pinned_blocks"] == 0 for s in stats.values())
+
+
+def ingress_index(app: str) -> dict[str, dict[str, dict[str, int]]]:
+    from ray import serve
+
+    handle = serve.get_deployment_handle("ingress", app_name=app)
+    return handle.prefix_index_stats.remote().result(timeout_s=30)
+
+
+def run_rounds(url: str, documents: list[list[int]], greedy: Any) -> list[dict[str, Any]]:
+    """Each document twice (a different question the second time), checked against one
+    engine; returns the second round's timings."""
+    second = []
+    for round_ in range(2):
+        for k, doc in enumerate(documents):
+            ids = doc + [5 + round_, 6, 7]
+            body = complete(url, ids)
+            assert body["choices"][0]["text"] == greedy(ids), (round_, k)
+            if round_:
+                second.append(body["pdserve_timings"][0] | {
+                    "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]})
+    return second
+
+
+def test_disaggregated_repeats_reuse_their_prefix_from_device_or_host(
+        ray_serve: ServedApps, tiny_checkpoints: dict[str, str], documents: list[list[int]],
+        greedy: Any) -> None:
+    with ray_serve.deploy("tiers", tiered(tiny_checkpoints["llama"], "disaggregated")) as url:
+        wait_for(lambda: len(ingress_index("tiers").get("prefill", {})) == 2, 60,
+                 "the ingress to follow both prefill replicas")
+        second = run_rounds(url, documents, greedy)
+        for timings in second:
+            assert timings["cached"] >= DOC_TOKENS - 16, timings  # the whole document
+            assert timings["prefill_tokens_computed"] <= 20, timings
+        loaded = [t for t in second if t["kv_loaded_tokens"]]
+        assert loaded and all(t["kv_tier"] == "host" and t["kv_load_choice"] == "load"
+                              for t in loaded), second
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert metric_value(metrics, "pdserve:prefix_cache_hits_total", 'tier="host"') > 0
+        wait_for(lambda: all(settled(ray_serve, "tiers") for _ in range(4)), 30,
+                 "every tier's blocks back to baseline")
+
+        index = ingress_index("tiers")["prefill"]
+        assert sum(counts["host"] for counts in index.values()) > 0, index
+        victim = replica_pids("tiers", "prefill")[0]
+        os.kill(victim, signal.SIGKILL)
+        # The heartbeat is the load report period (1 s): the entries go before it ends.
+        wait_for(lambda: len(ingress_index("tiers")["prefill"]) == 1, 1.0,
+                 "the dead worker's index entries to go", interval_s=0.02)
+
+
+def test_colocated_repeats_load_from_the_host_tier(
+        ray_serve: ServedApps, tiny_checkpoints: dict[str, str], documents: list[list[int]],
+        greedy: Any) -> None:
+    with ray_serve.deploy("tiers-colo", tiered(tiny_checkpoints["llama"], "colocated")) as url:
+        second = run_rounds(url, documents[:4], greedy)
+        assert all(t["cached"] >= DOC_TOKENS - 16 for t in second), second
+        assert any(t["kv_tier"] == "host" and t["kv_loaded_tokens"] for t in second), second
+        wait_for(lambda: settled(ray_serve, "tiers-colo"), 30, "the tiers to settle")

@@ -1,0 +1,59 @@
+"""Driving an engine with KV tiers in tests: requests run to their end while copies finish,
+and the wait until both tiers are back to baseline."""
+
+from __future__ import annotations
+
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.kv_cost import KVCostModel, KVReuse, LoadDecision
+from pdserve.engine.sampling_params import SamplingParams
+from tests.support.waiting import wait_for
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+class AlwaysLoad(KVCostModel):
+    """The worker's cost model, measuring as ever, whose every decision is a load: for tests of
+    what a load does, whatever this machine's timings would choose (a tiny model computes a
+    short prefix about as fast as a busy copy thread loads it)."""
+
+    def decide(self, tier: str, num_tokens: int, num_bytes: int,
+               end_position: int) -> LoadDecision:
+        decision = super().decide(tier, num_tokens, num_bytes, end_position)
+        return LoadDecision(decision.tier, decision.num_tokens, decision.num_bytes, None,
+                            decision.compute_s)
+
+
+def always_load(engine: LLMEngine) -> LLMEngine:
+    """``engine`` with `AlwaysLoad` as its cost model (it must have a tier beside the device)."""
+    assert engine.scheduler.loads is not None
+    engine.tiers.cost = engine.scheduler.loads.cost = AlwaysLoad()
+    return engine
+
+
+def run(engine: LLMEngine, prompts: dict[str, list[int]],
+        params: SamplingParams = GREEDY) -> dict[str, tuple[list[int], KVReuse]]:
+    """Every prompt at once to the end: tokens and the first output's reuse record."""
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    reuse: dict[str, KVReuse] = {}
+    while engine.has_unfinished_requests():
+        if not engine.scheduler.has_schedulable_requests:
+            engine.tiers.wait_finished()
+        out: RequestOutput
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            if out.kv_reuse is not None:
+                reuse.setdefault(out.request_id, out.kv_reuse)
+    return {rid: (tokens[rid], reuse.get(rid, KVReuse())) for rid in prompts}
+
+
+def settle(engine: LLMEngine) -> None:
+    """Copies still running end; then both tiers are back to baseline."""
+    def idle() -> bool:
+        if engine.tiers.has_work:
+            engine.step()
+        stats = engine.kv_stats()
+        return (stats.num_free_blocks == stats.num_blocks and stats.tiers.num_host_busy_blocks == 0
+                and stats.tiers.num_store_pinned_blocks == 0 and stats.num_loading == 0)
+    wait_for(idle, 10, "both KV tiers to settle")
