@@ -33,14 +33,13 @@ from pdserve.cluster.config_sections import (
     HandoffSection,
     HttpSection,
     ModelSection,
-    Role,
-    Roles,
     RouterSection,
     Section,
     check_api_key,
     default_staging_bytes,
 )
 from pdserve.cluster.kv_store_section import KVStoreSection
+from pdserve.cluster.role_sections import Role, Roles
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.shard import TPSplitError, check_tp_fits
 
