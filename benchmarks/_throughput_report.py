@@ -13,7 +13,7 @@ from pathlib import Path
 
 from _common import bar_chart, save_json
 
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.engine_outputs import RequestOutput
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from pdserve.decode.token_wire import (
     decode_handshake,
     encode_logprobs,
 )
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.engine_outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,9 @@ from pdserve.decode.api import (
 from pdserve.decode.token_publisher import TokenPublisher
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.cpu_affinity import apply_cpu_settings
-from pdserve.engine.engine import LLMEngine, ReceivedKVSlots
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_outputs import ReceivedKVSlots
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 from pdserve.handoff.kv_event_server import serve_engine_events

@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from pdserve.engine.engine import LayerHook, LLMEngine, RequestOutput
+from pdserve.engine.engine import LayerHook, LLMEngine
+from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.engine.errors import EngineError
 from pdserve.engine.request import RequestMode
 from pdserve.engine.sampling_params import SamplingParams

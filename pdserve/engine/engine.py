@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_outputs import EngineStats, KVStats, ReceivedKVSlots, RequestOutput
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.kv_cache import (
     allocate_kv_cache,
@@ -19,8 +20,7 @@ from pdserve.engine.kv_cache import (
     max_model_len_for,
 )
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_cost import KVReuse
-from pdserve.engine.kv_tiers import KVTiers, TierStats
+from pdserve.engine.kv_tiers import KVTiers
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.memory_profile import describe_engine, plan_kv_cache
 from pdserve.engine.model_runner import ModelRunner
@@ -35,57 +35,6 @@ from pdserve.engine.stop_strings import TextStream
 logger = logging.getLogger(__name__)
 
 LayerHook = Callable[[int, SchedulerOutput], None]
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What a step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    # One per token of new_token_ids when the request asked for logprobs (else empty).
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    queue_s: float = 0.0  # from add_request until the request's first chunk was scheduled
-    kv_reuse: KVReuse | None = None  # how the prompt's prefix was reused (first admission)
-
-
-@dataclass(frozen=True)
-class ReceivedKVSlots:
-    """Where a prompt's received KV goes: ``block_ids`` to be filled by the handoff, after
-    the first ``num_cached_tokens`` (whole blocks) this worker already held in its cache."""
-
-    block_ids: list[int]
-    num_cached_tokens: int
-
-
-@dataclass(frozen=True)
-class KVStats:
-    """A snapshot of the KV pool and queues: what routers balance on and tests assert."""
-
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_waiting: int
-    num_running: int
-    num_awaiting_kv: int
-    num_prefilled: int
-    num_aborted: int
-    num_loading: int = 0
-    tiers: TierStats = field(default_factory=TierStats)
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    num_tokens_computed: int = 0  # every token that went through the model
-    num_preemptions: int = 0
-    num_aborted: int = 0  # live requests stopped from outside (client gone, handoff failed)
 
 
 @dataclass

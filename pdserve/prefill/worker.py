@@ -14,8 +14,9 @@ from typing import Any
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.cpu_affinity import apply_cpu_settings
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
+from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.engine.request import RequestMode, RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.handoff import (

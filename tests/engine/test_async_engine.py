@@ -10,7 +10,8 @@ import pytest
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, merge_outputs
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.decode.token_publisher import IngressGoneError, TokenPublisher
 from pdserve.decode.token_wire import FrameWriter, decode_handshake
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.router.token_plane import DecodeGoneError, TokenPlane
 
 TOKEN = "cluster-token-0123456789"

@@ -3,7 +3,8 @@ and the wait until both tiers are back to baseline."""
 
 from __future__ import annotations
 
-from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.engine.kv_cost import KVCostModel, KVReuse, LoadDecision
 from pdserve.engine.sampling_params import SamplingParams
 from tests.support.waiting import wait_for
