@@ -9,7 +9,6 @@ import msgpack
 import pytest
 
 from pdserve.decode.token_wire import (
-    HEADER_BYTES,
     FrameReader,
     FrameWriter,
     TokenPlaneAuthError,
@@ -20,6 +19,7 @@ from pdserve.decode.token_wire import (
     ingress_handshake,
 )
 from pdserve.engine.sampler import TokenLogprobs
+from pdserve.handoff.plane_link import HEADER_BYTES
 
 KEY = bytes(range(32))
 ENTRY = ["req-1", [5, 6], "héllo", None, 2, 0, None, None]
