@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -20,9 +17,9 @@ import torch
 import xxhash
 
 from pdserve.engine.host_block_pool import HostBlockPool
+from pdserve.engine.job_thread import JobThread
 from pdserve.engine.kv_events import KVEventLog
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.engine.threads import name_native_thread
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +77,11 @@ class HostKVTier:
         self.host = torch.zeros((num_blocks, *block_shape), dtype=layout.torch_dtype,
                                 pin_memory=pin)
         self.block_bytes = layout.num_local_layers * layout.block_bytes
-        self.notify = notify
         self._stream = torch.cuda.Stream(device_cache.device) if pin else None
-        self._jobs: queue.SimpleQueue[CopyJob | None] = queue.SimpleQueue()
-        self._done: deque[CopyDone] = deque()
-        self.finished = threading.Event()  # set when a job ends; the poller clears it
         self._ids = itertools.count(1)
         self.num_in_flight = 0  # engine thread only
-        self._thread = threading.Thread(target=self._run, name="pdserve-kvcopy", daemon=True)
-        self._thread.start()
+        self._worker = JobThread("pdserve-kvcopy", self._copy, notify)
+        self.finished = self._worker.finished
 
     def submit(self, kind: CopyKind, device_ids: Sequence[int], host_ids: Sequence[int],
                request_id: str | None = None) -> CopyJob:
@@ -97,41 +90,32 @@ class HostKVTier:
         job = CopyJob(next(self._ids), kind, tuple(device_ids), tuple(host_ids), digests,
                       request_id)
         self.num_in_flight += 1
-        self._jobs.put(job)
+        self._worker.submit(job)
         return job
 
     def poll(self) -> list[CopyDone]:
         """Copies finished since the last poll (engine thread)."""
-        self.finished.clear()
-        done = []
-        while self._done:
-            done.append(self._done.popleft())
+        done = self._worker.poll()
         self.num_in_flight -= len(done)
         return done
 
     @property
     def has_finished(self) -> bool:
-        return bool(self._done)
+        return self._worker.has_finished
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
+        self._worker.close()
 
-    def _run(self) -> None:
-        name_native_thread(self._thread.name)
-        while (job := self._jobs.get()) is not None:
-            start = time.monotonic()
-            try:
-                digests = self._store(job) if job.kind is CopyKind.STORE else self._load(job)
-                error = None
-            except Exception as exc:  # noqa: BLE001 - reported with the job, never lost
-                logger.warning("KV %s copy failed: %s", job.kind.value, exc)
-                digests, error = (), str(exc) or type(exc).__name__
-            self._done.append(CopyDone(job, digests, error, time.monotonic() - start,
-                                       len(job.host_ids) * self.block_bytes))
-            self.finished.set()
-            if self.notify is not None:
-                self.notify()
+    def _copy(self, job: CopyJob) -> CopyDone:
+        start = time.monotonic()
+        try:
+            digests = self._store(job) if job.kind is CopyKind.STORE else self._load(job)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - reported with the job, never lost
+            logger.warning("KV %s copy failed: %s", job.kind.value, exc)
+            digests, error = (), str(exc) or type(exc).__name__
+        return CopyDone(job, digests, error, time.monotonic() - start,
+                        len(job.host_ids) * self.block_bytes)
 
     def _store(self, job: CopyJob) -> tuple[int, ...]:
         device = torch.tensor(job.device_ids, dtype=torch.int64, device=self.device_cache.device)

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,8 +17,8 @@ from typing import Protocol
 import torch
 
 from pdserve.engine.host_kv_tier import block_digest
+from pdserve.engine.job_thread import JobThread
 from pdserve.engine.kv_layout import KVLayout
-from pdserve.engine.threads import name_native_thread
 
 logger = logging.getLogger(__name__)
 
@@ -90,15 +87,11 @@ class StoreKVTier:
         self._prefix = f"pdkv:{layout.fingerprint}:"
         self._block_shape = (layout.num_local_layers, 2, layout.block_size,
                              layout.num_kv_heads, layout.head_dim)
-        self.notify = notify
-        self._jobs: queue.SimpleQueue[StoreJob | None] = queue.SimpleQueue()
-        self._done: deque[StoreDone] = deque()
-        self.finished = threading.Event()  # set when a job ends; the poller clears it
         self._ids = itertools.count(1)
         self._down_until = 0.0
         self.num_unavailable = 0  # calls the store did not answer
-        self._thread = threading.Thread(target=self._run, name="pdserve-kvstore", daemon=True)
-        self._thread.start()
+        self._worker = JobThread("pdserve-kvstore", self._transfer, notify)
+        self.finished = self._worker.finished
 
     def key(self, block_hash: bytes) -> str:
         return self._prefix + block_hash.hex()
@@ -121,23 +114,18 @@ class StoreKVTier:
     def submit(self, put: bool, device_ids: Sequence[int], hashes: Sequence[bytes],
                request_id: str | None = None) -> StoreJob:
         job = StoreJob(next(self._ids), put, tuple(device_ids), tuple(hashes), request_id)
-        self._jobs.put(job)
+        self._worker.submit(job)
         return job
 
     def poll(self) -> list[StoreDone]:
-        self.finished.clear()
-        done = []
-        while self._done:
-            done.append(self._done.popleft())
-        return done
+        return self._worker.poll()
 
     @property
     def has_finished(self) -> bool:
-        return bool(self._done)
+        return self._worker.has_finished
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=10)
+        self._worker.close()
         self.client.close()
 
     def _mark_down(self, exc: Exception) -> None:
@@ -147,30 +135,25 @@ class StoreKVTier:
                            exc, RETRY_AFTER_S)
         self._down_until = time.monotonic() + RETRY_AFTER_S
 
-    def _run(self) -> None:
-        name_native_thread(self._thread.name)
-        while (job := self._jobs.get()) is not None:
-            start = time.monotonic()
-            ok: list[bool] = []
-            error = None
-            try:
-                if not self.available:
-                    raise StoreUnavailableError("the store is down")
-                for at in range(0, len(job.hashes), self.max_rows):
-                    ok += self._chunk(job, at, min(len(job.hashes), at + self.max_rows))
-                if not all(ok):
-                    error = "store_miss" if not job.put else "store_put"
-            except StoreUnavailableError as exc:
-                self._mark_down(exc)
-                error = "store_unavailable"
-            except ValueError as exc:  # a digest that did not verify
-                error = "digest" if "digest" in str(exc) else "store_get"
-            ok += [False] * (len(job.hashes) - len(ok))
-            self._done.append(StoreDone(job, tuple(ok), error, time.monotonic() - start,
-                                        sum(ok) * self.row_bytes))
-            self.finished.set()
-            if self.notify is not None:
-                self.notify()
+    def _transfer(self, job: StoreJob) -> StoreDone:
+        start = time.monotonic()
+        ok: list[bool] = []
+        error = None
+        try:
+            if not self.available:
+                raise StoreUnavailableError("the store is down")
+            for at in range(0, len(job.hashes), self.max_rows):
+                ok += self._chunk(job, at, min(len(job.hashes), at + self.max_rows))
+            if not all(ok):
+                error = "store_miss" if not job.put else "store_put"
+        except StoreUnavailableError as exc:
+            self._mark_down(exc)
+            error = "store_unavailable"
+        except ValueError as exc:  # a digest that did not verify
+            error = "digest" if "digest" in str(exc) else "store_get"
+        ok += [False] * (len(job.hashes) - len(ok))
+        return StoreDone(job, tuple(ok), error, time.monotonic() - start,
+                         sum(ok) * self.row_bytes)
 
     def _rows(self, count: int) -> torch.Tensor:
         flat = self.client.staging[: count * self.row_bytes]
