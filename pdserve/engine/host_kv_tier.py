@@ -71,8 +71,7 @@ class HostKVTier:
         self.layout = layout
         self.pool = HostBlockPool(num_blocks, events)
         self.device_cache = device_cache
-        block_shape = (layout.num_local_layers, 2, layout.block_size, layout.num_kv_heads,
-                       layout.head_dim)
+        block_shape = (layout.num_local_layers, 2, *layout.block_dims)  # this rank's heads
         pin = device_cache.device.type == "cuda"
         self.host = torch.zeros((num_blocks, *block_shape), dtype=layout.torch_dtype,
                                 pin_memory=pin)

@@ -85,8 +85,7 @@ class StoreKVTier:
             raise ValueError(f"store staging of {client.staging.numel()} bytes holds no block "
                              f"of {self.row_bytes}")
         self._prefix = f"pdkv:{layout.fingerprint}:"
-        self._block_shape = (layout.num_local_layers, 2, layout.block_size,
-                             layout.num_kv_heads, layout.head_dim)
+        self._block_shape = (layout.num_local_layers, 2, *layout.block_dims)  # this rank's heads
         self._ids = itertools.count(1)
         self._down_until = 0.0
         self.num_unavailable = 0  # calls the store did not answer
