@@ -17,9 +17,9 @@ import pytest
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_cache import GIB, kv_bytes_per_token
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.sampling_params import SamplingParams
+from tests.support.kv_serving import complete, host_gb, settled
 from tests.support.metrics import metric_value
 from tests.support.processes import replica_pids
 from tests.support.waiting import wait_for
@@ -32,10 +32,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 MAX_TOKENS = 6
 DEVICE_BLOCKS = 48  # 768 tokens per worker
 DOC_TOKENS = 300  # 19 blocks: six documents are 114 blocks, over twice two workers' device KV
-
-
-def host_gb(path: str, num_blocks: int) -> float:
-    return num_blocks * 16 * kv_bytes_per_token(ModelConfig.from_checkpoint(path), "float32") / GIB
 
 
 def tiered(path: str, mode: str) -> dict[str, Any]:
@@ -66,21 +62,6 @@ def greedy(tiny_checkpoints: dict[str, str]) -> Iterator[Any]:
     engine.close()
 
 
-def complete(url: str, ids: list[int]) -> dict[str, Any]:
-    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "ignore_eos": True, "pdserve_timings": True})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def settled(served: ServedApps, app: str) -> bool:
-    stats = served.kv_stats(app)
-    return all(s["num_free_blocks"] == s["num_blocks"] and s["num_loading"] == 0
-               and s["tiers"]["num_host_busy_blocks"] == 0
-               and s["tiers"]["num_store_pinned_blocks"] == 0 for s in stats.values())
-
-
 def ingress_index(app: str) -> dict[str, dict[str, dict[str, int]]]:
     from ray import serve
 
@@ -95,7 +76,7 @@ def run_rounds(url: str, documents: list[list[int]], greedy: Any) -> list[dict[s
     for round_ in range(2):
         for k, doc in enumerate(documents):
             ids = doc + [5 + round_, 6, 7]
-            body = complete(url, ids)
+            body = complete(url, ids, MAX_TOKENS)
             assert body["choices"][0]["text"] == greedy(ids), (round_, k)
             if round_:
                 second.append(body["pdserve_timings"][0] | {

@@ -1,0 +1,171 @@
+"""The shared KV tier served for real: a Mooncake master this module starts, one prefill and
+one decode replica whose host tiers hold less than a document, so a repeat loads its prefix
+from the store (greedy parity, cached tokens, the store's hits counted, every tier of every
+role back to baseline); a prefill replica killed while its requests load from the store
+loses no request and no decode block, and its replacement serves."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+
+from pdserve.cluster.config import engine_config
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.sampling_params import SamplingParams
+from tests.support.kv_serving import complete, host_gb, settled
+from tests.support.metrics import metric_value
+from tests.support.processes import replica_pids
+from tests.support.waiting import wait_for
+
+pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not installed "
+                    "(pip install mooncake-transfer-engine-non-cuda)")
+
+from pdserve.cluster.kv_store_master import StoreMaster, start_master, stop_master  # noqa: E402
+
+if TYPE_CHECKING:
+    from tests.support.ray_serve import ServedApps
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+APP = "kv-store"
+MAX_TOKENS = 6
+DEVICE_BLOCKS = 48  # 768 tokens per worker: a document is evicted two documents later
+HOST_BLOCKS = 4  # less than a document's 18 full blocks: its first blocks leave it first
+DOC_TOKENS = 300
+NUM_DOCS = 4
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreMaster]:
+    started = start_master(log_path=Path(tmp_path_factory.mktemp("store")) / "master.log")
+    yield started
+    stop_master(started)
+
+
+@pytest.fixture(scope="module")
+def app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str],
+        master: StoreMaster) -> Iterator[str]:
+    from tests.support.ray_serve import app_config
+
+    path = tiny_checkpoints["llama"]
+    raw = app_config(path, "disaggregated")
+    raw["engine"] |= {"num_kv_blocks": DEVICE_BLOCKS,
+                      "host_kv_cache_gb": host_gb(path, HOST_BLOCKS)}
+    raw["kv_store"] = {"enabled": True, "master_address": master.rpc_address,
+                       "metadata_server": master.metadata_server, "segment_mb": 16,
+                       "staging_mb": 4}
+    for role in ("prefill", "decode"):
+        raw["roles"][role]["resources"] = {"num_cpus": 0.5}
+    with ray_serve.deploy(APP, raw) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def documents(tiny_checkpoints: dict[str, str]) -> list[list[int]]:
+    vocab = ModelConfig.from_checkpoint(tiny_checkpoints["llama"]).vocab_size
+    rng = random.Random(11)
+    return [[rng.randrange(3, vocab) for _ in range(DOC_TOKENS)] for _ in range(NUM_DOCS)]
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny_checkpoints: dict[str, str]) -> Iterator[Callable[[list[int]], str]]:
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=512,
+                                     enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    yield lambda ids: engine.tokenizer.decode(engine.generate([ids], params)[0])
+    engine.close()
+
+
+def prefill_stats(served: ServedApps) -> dict[str, Any]:
+    return served.kv_stats(APP)["prefill"]
+
+
+def test_a_repeat_loads_its_prefix_from_the_store(
+        ray_serve: ServedApps, app: str, documents: list[list[int]],
+        greedy: Callable[[list[int]], str]) -> None:
+    repeats = []
+    for round_ in range(2):
+        for k, doc in enumerate(documents):
+            ids = doc + [5 + round_, 6, 7]
+            body = complete(app, ids, MAX_TOKENS)
+            assert body["choices"][0]["text"] == greedy(ids), (round_, k)
+            if round_:
+                repeats.append(body["pdserve_timings"][0] | {
+                    "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]})
+        if not round_:  # every put done: the first documents are in the store, not the host
+            wait_for(lambda: settled(ray_serve, APP), 30, "the first round's puts")
+    # The first repeat's document left the device and its first blocks the host tier; the
+    # worker has measured no store load yet, so it loads (then measures).
+    first = repeats[0]
+    assert first["kv_tier"] == "store" and first["kv_load_choice"] == "load", repeats
+    assert first["kv_loaded_tokens"] >= 16, first
+    assert first["cached"] >= DOC_TOKENS - 16, first
+    assert first["prefill_tokens_computed"] <= 20, first
+    for timings in repeats:  # loaded or computed, never a wrong answer (checked above)
+        assert timings["kv_tier"] in (None, "store", "host"), timings
+    metrics = httpx.get(f"{app}/metrics", timeout=30).text
+    assert metric_value(metrics, "pdserve:prefix_cache_hits_total", 'tier="store"') >= \
+        first["kv_loaded_tokens"]
+    stats = prefill_stats(ray_serve)["tiers"]
+    assert stats["num_store_loads"] >= 1 and stats["num_store_puts"] > 0, stats
+    wait_for(lambda: settled(ray_serve, APP), 30, "every tier of every role at baseline")
+
+
+def test_a_prefill_replica_killed_mid_load_loses_no_request_and_no_decode_block(
+        ray_serve: ServedApps, app: str, documents: list[list[int]],
+        greedy: Callable[[list[int]], str]) -> None:
+    wait_for(lambda: settled(ray_serve, APP), 30, "the app at baseline")
+    [victim] = replica_pids(APP, "prefill")
+    prompts = [doc + [9, 9, k] for k, doc in enumerate(documents)] * 2
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        in_flight = [pool.submit(send, app, ids) for ids in prompts]
+        wait_for(lambda: prefill_stats(ray_serve)["num_loading"] > 0, 60,
+                 "a request loading its prefix on prefill", interval_s=0.005)
+        os.kill(victim, signal.SIGKILL)
+        answers = [f.result(timeout=120) for f in in_flight]
+    for ids, (status, text) in zip(prompts, answers, strict=True):
+        # A right answer, or a clear error: never a wrong one, never a hang.
+        assert (status == 200 and text == greedy(ids)) or (status >= 500 and text), (status,
+                                                                                     text)
+    assert sum(status == 200 for status, _ in answers) > 0, answers
+    wait_for(lambda: settled_role("decode"), 30, "decode's blocks at baseline")
+    wait_for(lambda: replica_pids(APP, "prefill") not in ([], [victim]), 90,
+             "a replacement prefill replica")
+    wait_for(lambda: httpx.get(f"{app}/health", timeout=5).status_code == 200, 90,
+             "the app healthy again")
+    ids = documents[0] + [4, 4, 4]
+    body = complete(app, ids, MAX_TOKENS)
+    assert body["choices"][0]["text"] == greedy(ids)
+    assert body["pdserve_timings"][0]["path"] == "disaggregated", body["pdserve_timings"]
+    wait_for(lambda: settled(ray_serve, APP), 30, "every tier of every role at baseline")
+
+
+def send(url: str, ids: list[int]) -> tuple[int, str]:
+    try:
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True})
+    except httpx.HTTPError as exc:
+        return 0, repr(exc)
+    if r.status_code != 200:
+        return r.status_code, r.text
+    return 200, r.json()["choices"][0]["text"]
+
+
+def settled_role(role: str) -> bool:
+    """One role's tiers at baseline, asked of that role alone (the other may be dead)."""
+    from ray import serve
+
+    s = serve.get_deployment_handle(role, app_name=APP).kv_stats.remote().result(timeout_s=30)
+    return (s["num_free_blocks"] == s["num_blocks"] and s["num_loading"] == 0
+            and s["tiers"]["num_host_busy_blocks"] == 0
+            and s["tiers"]["num_store_pinned_blocks"] == 0)
