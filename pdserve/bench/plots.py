@@ -6,6 +6,7 @@ matplotlib (``pip install 'pdserve[bench]'``).
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -157,7 +158,9 @@ def kv_reuse(items: Sequence[SummarizedRun], path: Path, title: str) -> Path:
     plt = _pyplot()
     shown = [(i, r) for i in items if (r := summarize_reuse(i.run)) is not None]
     fig, (left, right) = plt.subplots(1, 2, figsize=(max(8.0, 1.6 * len(shown) + 4), 3.6))
-    names = [f"{i.run.setup}\n@{_rate(i.run.request_rate)}/s" for i, _ in shown]
+    # Long setup names wrap at their hyphens: side by side they would overlap.
+    names = [f"{textwrap.fill(i.run.setup, 14)}\n@{_rate(i.run.request_rate)}/s"
+             for i, _ in shown]
     xs = list(range(len(shown)))
     for k, (label, values) in enumerate((
             ("first request (p50)", [r.first_ttft_p50_ms or 0.0 for _, r in shown]),
