@@ -1,8 +1,8 @@
-"""The shared KV tier served for real: a Mooncake master this module starts, one prefill and
-one decode replica whose host tiers hold less than a document, so a repeat loads its prefix
-from the store (greedy parity, cached tokens, the store's hits counted, every tier of every
-role back to baseline); a prefill replica killed while its requests load from the store
-loses no request and no decode block, and its replacement serves."""
+"""The shared KV tier served for real: a Mooncake master this module starts, apps (one prefill
+and one decode replica; one colocated replica) whose host tiers hold less than a document, so
+a repeat loads its prefix from the store (greedy parity, cached tokens, the store's hits
+counted, every tier of every role back to baseline); a prefill replica killed while its
+requests load from the store loses no request and no decode block; its replacement serves."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import random
 import signal
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +43,19 @@ DEVICE_BLOCKS = 48  # 768 tokens per worker: a document is evicted two documents
 HOST_BLOCKS = 4  # less than a document's 18 full blocks: its first blocks leave it first
 DOC_TOKENS = 300
 NUM_DOCS = 4
+# The tiny preset with wide layers and one KV head: computing a block costs many times
+# loading its 16 KiB, so the worker's measured choice is a load (the tiny preset computes a
+# document about as fast as this machine's busy store thread loads it).
+WIDE = {"hidden_size": 512, "intermediate_size": 2048, "num_layers": 2, "num_heads": 8,
+        "num_kv_heads": 1}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from pdserve.engine.checkpoint_maker import make_checkpoint
+
+    return str(make_checkpoint(tmp_path_factory.mktemp("wide") / "llama", "llama", "tiny",
+                               shape=WIDE))
 
 
 @pytest.fixture(scope="module")
@@ -51,34 +65,43 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreMaster]:
     stop_master(started)
 
 
-@pytest.fixture(scope="module")
-def app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str],
-        master: StoreMaster) -> Iterator[str]:
+def store_app(served: ServedApps, path: str, master: StoreMaster, mode: str,
+              name: str) -> AbstractContextManager[str]:
+    """An app of ``mode`` (one replica per role) whose host tiers hold less than a document,
+    sharing the module's store."""
     from tests.support.ray_serve import app_config
 
-    path = tiny_checkpoints["llama"]
-    raw = app_config(path, "disaggregated")
+    raw = app_config(path, mode)
     raw["engine"] |= {"num_kv_blocks": DEVICE_BLOCKS,
                       "host_kv_cache_gb": host_gb(path, HOST_BLOCKS)}
     raw["kv_store"] = {"enabled": True, "master_address": master.rpc_address,
                        "metadata_server": master.metadata_server, "segment_mb": 16,
                        "staging_mb": 4}
-    for role in ("prefill", "decode"):
+    for role in raw["roles"]:
         raw["roles"][role]["resources"] = {"num_cpus": 0.5}
-    with ray_serve.deploy(APP, raw) as url:
-        yield url
+    return served.deploy(name, raw)
 
 
 @pytest.fixture(scope="module")
-def documents(tiny_checkpoints: dict[str, str]) -> list[list[int]]:
-    vocab = ModelConfig.from_checkpoint(tiny_checkpoints["llama"]).vocab_size
-    rng = random.Random(11)
+def app(ray_serve: ServedApps, checkpoint: str, master: StoreMaster) -> Iterator[str]:
+    with store_app(ray_serve, checkpoint, master, "disaggregated", APP) as url:
+        yield url
+
+
+def make_documents(path: str, seed: int) -> list[list[int]]:
+    vocab = ModelConfig.from_checkpoint(path).vocab_size
+    rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(DOC_TOKENS)] for _ in range(NUM_DOCS)]
 
 
 @pytest.fixture(scope="module")
-def greedy(tiny_checkpoints: dict[str, str]) -> Iterator[Callable[[list[int]], str]]:
-    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=512,
+def documents(checkpoint: str) -> list[list[int]]:
+    return make_documents(checkpoint, 11)
+
+
+@pytest.fixture(scope="module")
+def greedy(checkpoint: str) -> Iterator[Callable[[list[int]], str]]:
+    engine = LLMEngine(engine_config(checkpoint, num_kv_blocks=512,
                                      enable_prefix_caching=False))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     yield lambda ids: engine.tokenizer.decode(engine.generate([ids], params)[0])
@@ -89,35 +112,53 @@ def prefill_stats(served: ServedApps) -> dict[str, Any]:
     return served.kv_stats(APP)["prefill"]
 
 
-def test_a_repeat_loads_its_prefix_from_the_store(
-        ray_serve: ServedApps, app: str, documents: list[list[int]],
-        greedy: Callable[[list[int]], str]) -> None:
+def check_repeats_load_from_the_store(served: ServedApps, app_name: str, url: str,
+                                      documents: list[list[int]],
+                                      greedy: Callable[[list[int]], str], role: str) -> None:
+    """Each document twice: every answer one engine's; the first repeat loads its prefix from
+    the store on ``role``; the store's hits counted; every tier back to baseline."""
     repeats = []
     for round_ in range(2):
         for k, doc in enumerate(documents):
             ids = doc + [5 + round_, 6, 7]
-            body = complete(app, ids, MAX_TOKENS)
+            body = complete(url, ids, MAX_TOKENS)
             assert body["choices"][0]["text"] == greedy(ids), (round_, k)
             if round_:
                 repeats.append(body["pdserve_timings"][0] | {
                     "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]})
         if not round_:  # every put done: the first documents are in the store, not the host
-            wait_for(lambda: settled(ray_serve, APP), 30, "the first round's puts")
+            wait_for(lambda: settled(served, app_name), 30, "the first round's puts")
     # The first repeat's document left the device and its first blocks the host tier; the
     # worker has measured no store load yet, so it loads (then measures).
     first = repeats[0]
     assert first["kv_tier"] == "store" and first["kv_load_choice"] == "load", repeats
     assert first["kv_loaded_tokens"] >= 16, first
     assert first["cached"] >= DOC_TOKENS - 16, first
-    assert first["prefill_tokens_computed"] <= 20, first
+    if role == "prefill":  # what the prefill worker computed (colocated: cached says it)
+        assert first["prefill_tokens_computed"] <= 20, first
     for timings in repeats:  # loaded or computed, never a wrong answer (checked above)
         assert timings["kv_tier"] in (None, "store", "host"), timings
-    metrics = httpx.get(f"{app}/metrics", timeout=30).text
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
     assert metric_value(metrics, "pdserve:prefix_cache_hits_total", 'tier="store"') >= \
         first["kv_loaded_tokens"]
-    stats = prefill_stats(ray_serve)["tiers"]
+    stats = served.kv_stats(app_name)[role]["tiers"]
     assert stats["num_store_loads"] >= 1 and stats["num_store_puts"] > 0, stats
-    wait_for(lambda: settled(ray_serve, APP), 30, "every tier of every role at baseline")
+    wait_for(lambda: settled(served, app_name), 30, "every tier of every role at baseline")
+
+
+def test_a_repeat_loads_its_prefix_from_the_store_disaggregated(
+        ray_serve: ServedApps, app: str, documents: list[list[int]],
+        greedy: Callable[[list[int]], str]) -> None:
+    check_repeats_load_from_the_store(ray_serve, APP, app, documents, greedy, "prefill")
+
+
+def test_a_repeat_loads_its_prefix_from_the_store_colocated(
+        ray_serve: ServedApps, checkpoint: str, master: StoreMaster,
+        greedy: Callable[[list[int]], str]) -> None:
+    with store_app(ray_serve, checkpoint, master, "colocated", "kv-store-colo") as url:
+        # Documents of their own: the disaggregated app's blocks share the store and layout.
+        check_repeats_load_from_the_store(ray_serve, "kv-store-colo", url,
+                                          make_documents(checkpoint, 12), greedy, "decode")
 
 
 def test_a_prefill_replica_killed_mid_load_loses_no_request_and_no_decode_block(
