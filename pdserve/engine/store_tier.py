@@ -150,6 +150,9 @@ class StoreKVTier:
             error = "store_unavailable"
         except ValueError as exc:  # a digest that did not verify
             error = "digest" if "digest" in str(exc) else "store_get"
+        except Exception as exc:  # noqa: BLE001 - the job's blocks must come back to the engine
+            logger.warning("KV store %s failed: %s", "put" if job.put else "get", exc)
+            error = "store_put" if job.put else "store_get"
         ok += [False] * (len(job.hashes) - len(ok))
         return StoreDone(job, tuple(ok), error, time.monotonic() - start,
                          sum(ok) * self.row_bytes)
