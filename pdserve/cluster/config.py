@@ -147,8 +147,8 @@ class PdserveConfig(Section):
 
     def check_parallelism(self, model: ModelConfig) -> None:
         """Raise `ConfigError` for a role's tensor_parallel_size that ``model`` cannot be split
-        by (naming each count that does not divide), or above 1: the engine and the handoff run
-        TP groups, but a Serve replica of several ranks (one actor per rank) is not built."""
+        by (naming each count that does not divide), or above 1 in disaggregated mode: the
+        KV handoff of a replica of several ranks is not wired into the workers."""
         problems = []
         for name, role in self.role_configs().items():
             key, size = f"roles.{name}.tensor_parallel_size", role.tensor_parallel_size
@@ -157,10 +157,10 @@ class PdserveConfig(Section):
             except TPSplitError as exc:
                 problems.append(f"{key}: {exc}; choose a degree that divides them")
                 continue
-            if size > 1:
-                problems.append(f"{key}: {size}: serving a replica of several ranks (a Ray "
-                                "actor per rank in a placement group) is not implemented; "
-                                "use 1")
+            if size > 1 and self.mode == "disaggregated":
+                problems.append(f"{key}: {size}: disaggregated replicas of several ranks (the "
+                                "KV handoff from and to every rank) are not served; use 1, or "
+                                "mode: colocated")
         if problems:
             raise ConfigError(problems)
 

@@ -28,6 +28,7 @@ from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import ReceivedKVSlots
+from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 from pdserve.handoff.kv_event_server import serve_engine_events
@@ -55,15 +56,18 @@ class DecodeWorker:
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None,
                  plane_token: str, reserve_timeout_s: float,
                  node_host: Callable[[], str] = lambda: "127.0.0.1",
-                 kv_store: MooncakeSettings | None = None) -> None:
+                 kv_store: MooncakeSettings | None = None,
+                 ranks: RankStarter = ONE_RANK) -> None:
         """``handoff_config`` None: no KV arrives (colocated); ``reserve_timeout_s``: how long
         a prompt whose KV is coming waits for free blocks (handoff.reserve_timeout_s);
-        ``node_host``: this machine's address for other nodes (the KV event plane's)."""
+        ``node_host``: this machine's address for other nodes (the KV event plane's);
+        ``ranks``: starts the replica's tensor-parallel ranks."""
         configure_logging()
         # Before any engine thread starts: threads inherit the binding.
         self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
                                             "decode")
-        self.engine = LLMEngine(engine_config)
+        self.ranks, self.engine = ranks.start(
+            engine_config, lambda tp: LLMEngine(engine_config, tp=tp))
         if kv_store is not None:  # before the engine thread starts
             client = connect_store(kv_store, node_host())
             if client is not None:
@@ -181,6 +185,7 @@ class DecodeWorker:
     def check_health(self) -> None:
         if self.async_engine.is_dead:
             raise RuntimeError("decode engine thread died")
+        self.ranks.check()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops: end transfers before the engine.
@@ -190,3 +195,4 @@ class DecodeWorker:
         if self.transport is not None:
             self.transport.stop()
         self.async_engine.shutdown()
+        self.ranks.close()
