@@ -99,12 +99,13 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
     return options
 
 
-def rank_settings(cfg: PdserveConfig, role: str) -> RankSettings:
+def rank_settings(cfg: PdserveConfig, role: str,
+                  handoff: HandoffConfig | None) -> RankSettings:
     """How many ranks a replica of ``role`` runs, and what each rank's actor gets."""
     role_cfg = cfg.role_configs()[role]
     return RankSettings(size=role_cfg.tensor_parallel_size,
                         collective_timeout_s=role_cfg.collective_timeout_s, role=role,
-                        actor_options=role_cfg.rank_actor_options())
+                        actor_options=role_cfg.rank_actor_options(), handoff=handoff)
 
 
 def build_from_config(cfg: PdserveConfig) -> Application:
@@ -124,9 +125,11 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
     # The worker fills in its own address.
     kv_store = cfg.kv_store.client_settings("") if cfg.kv_store.enabled else None
     max_model_len = max_model_len_for(model, cfg.model.max_model_len)
+    prefill_role = cfg.role_configs().get("prefill")
+    prefill_tp = prefill_role.tensor_parallel_size if prefill_role is not None else 1
     decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
         engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s, node_ip, kv_store,
-        rank_settings(cfg, "decode"))
+        rank_settings(cfg, "decode", decode_handoff), prefill_tp)
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,6 +23,7 @@ from pdserve.engine.parallel.group import (
     host_store,
 )
 from pdserve.engine.parallel.replica_ranks import ONE_RANK, ReplicaRanks
+from pdserve.handoff import FenceInfo, HandoffConfig
 from pdserve.ranks.rank_actor import TPRank
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class RankSettings:
     collective_timeout_s: float
     role: str
     actor_options: dict[str, Any] = field(default_factory=dict)
+    handoff: HandoffConfig | None = None  # decode: each rank receives the KV heads it holds
 
     def start(self, config: EngineConfig,
               build: Callable[[TPGroup], T]) -> tuple[ReplicaRanks, T]:
@@ -80,6 +82,10 @@ class RankGroup:
             raise RankStoppedError(f"tensor-parallel rank {rank} of {self.size} stopped: "
                                    f"{reason}")
 
+    def receiver(self, rank: int) -> RemoteReceiver:
+        """Rank ``rank``'s KV receiver (a `handoff.RankReceiver`), through its actor."""
+        return RemoteReceiver(self._actors[rank - 1])
+
     def close(self) -> None:
         """End the other ranks and let go of the group (call after rank 0's engine stopped)."""
         for actor in self._actors:
@@ -87,6 +93,24 @@ class RankGroup:
         self._actors.clear()
         self._watches.clear()
         self.tp.close()
+
+
+class RemoteReceiver:
+    """A rank actor's KV receiver, called from rank 0's event loop."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+
+    async def reserve(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
+                      deadline: float, kv_heads: tuple[int, int]) -> dict[str, Any]:
+        return await self._actor.reserve.remote(request_id, list(block_ids), num_tokens,
+                                                deadline, kv_heads)
+
+    async def wait_ready(self, request_id: str) -> FenceInfo:
+        return await self._actor.wait_ready.remote(request_id)
+
+    async def cancel(self, request_id: str) -> bool:
+        return await self._actor.cancel.remote(request_id)
 
 
 def start_ranks(settings: RankSettings, config: EngineConfig,
@@ -123,14 +147,13 @@ def start_ranks(settings: RankSettings, config: EngineConfig,
 def _launch(settings: RankSettings, config: EngineConfig, rendezvous: Rendezvous,
             rank: int) -> Any:
     options: dict[str, Any] = dict(settings.actor_options)
-    options["max_concurrency"] = 2  # `wait_stopped` stays open beside `describe`
     group = get_current_placement_group()
     if group is not None:  # a Serve replica with bundles: rank i runs in bundle i
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             group, placement_group_bundle_index=rank,
             placement_group_capture_child_tasks=True)
     return ray.remote(TPRank).options(**options).remote(
-        config, rendezvous, rank, settings.collective_timeout_s, settings.role)
+        config, rendezvous, rank, settings.collective_timeout_s, settings.role, settings.handoff)
 
 
 def _wait_started(actors: list[Any], built: Future[Any]) -> None:

@@ -52,13 +52,14 @@ def test_degrees_the_model_cannot_split_by_are_refused_naming_the_count(
         cfg.check_parallelism(wide)
 
 
-def test_disaggregated_replicas_of_several_ranks_are_refused_saying_so(
+def test_prefill_replicas_of_several_ranks_are_refused_saying_so(
         tiny_checkpoints: dict[str, str]) -> None:
     model = ModelConfig.from_checkpoint(tiny_checkpoints["llama"])
-    cfg = parse_config(config_with(roles__decode__tensor_parallel_size=2))
-    with pytest.raises(ConfigError, match="roles.decode.tensor_parallel_size: 2: disaggregated "
+    cfg = parse_config(config_with(roles__prefill__tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="roles.prefill.tensor_parallel_size: 2: prefill "
                                           "replicas of several ranks .* are not served"):
         cfg.check_parallelism(model)
+    parse_config(config_with(roles__decode__tensor_parallel_size=2)).check_parallelism(model)
     colocated = parse_config(config_with(mode="colocated", roles__prefill=None,
                                          roles__capacity=None,
                                          roles__decode__tensor_parallel_size=2))

@@ -5,7 +5,7 @@ with its engine, asks after them on each health check, and ends them with the re
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
@@ -21,6 +21,10 @@ class ReplicaRanks(Protocol):
 
     def close(self) -> None:
         """End the other ranks (after rank 0's engine stopped)."""
+
+    def receiver(self, rank: int) -> Any:
+        """Rank ``rank``'s (> 0) KV receiver on a decode replica: a `handoff.RankReceiver`
+        (typed there: the engine knows nothing of the handoff)."""
 
 
 class RankStarter(Protocol):
@@ -45,6 +49,9 @@ class LoneRank:
 
     def close(self) -> None:
         """Nothing runs beside rank 0."""
+
+    def receiver(self, rank: int) -> Any:
+        raise ValueError(f"a replica of one rank has no rank {rank}")
 
 
 ONE_RANK = LoneRank()
