@@ -85,3 +85,14 @@ def test_ranks_that_ask_for_no_resources_are_refused() -> None:
     with pytest.raises(ConfigError, match="tensor_parallel_size 2 needs resources per rank"):
         parse_config(config_with(roles__decode={
             "replicas": 1, "tensor_parallel_size": 2, "resources": {"num_cpus": 0}}))
+
+
+def test_a_local_ray_counts_the_logical_cpus_every_rank_needs_beyond_the_cores() -> None:
+    from pdserve.cluster.serve_command import local_num_cpus
+
+    # prefill 1 replica x 1 rank, decode 2 replicas x 2 ranks, 1 CPU per rank; ingress 0.5
+    cfg = parse_config(config_with(roles__decode__tensor_parallel_size=2,
+                                   router={"num_cpus": 0.5}))
+    assert local_num_cpus(cfg, 2) == 6  # 5.5 rounded up: Ray counts whole CPUs
+    assert local_num_cpus(cfg, 5) == 6
+    assert local_num_cpus(cfg, 6) is None  # enough cores: Ray counts them itself
