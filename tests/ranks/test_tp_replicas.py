@@ -19,7 +19,7 @@ import pytest
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from tests.support.processes import descendants, replica_pids, title
+from tests.support.processes import rank_pids, replica_pids
 from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
@@ -69,11 +69,6 @@ def health(url: str) -> int:
         return httpx.get(f"{url}/health", timeout=5).status_code
     except httpx.HTTPError:
         return 0
-
-
-def rank_pids() -> list[int]:
-    """Pids of the rank actors (ranks other than 0) among this process's descendants."""
-    return [pid for pid in descendants(os.getpid()) if title(pid).startswith("ray::TPRank")]
 
 
 def test_two_ranks_answer_as_one_rank_does(ray_serve: ServedApps, tp_app: str,
