@@ -1,8 +1,8 @@
 """pdserve's import graph, read from the ast of every module (imports inside functions and
 under TYPE_CHECKING count too): no cycle, and no folder importing one above it.
 
-Layers, bottom up (docs/design.md): engine, handoff, {prefill, decode}, router, cluster, bench,
-the command line. `log` and `replica` are leaves every layer may use.
+Layers, bottom up (docs/design.md): engine, handoff, {prefill, decode, ranks}, router, cluster,
+bench, the command line. `log` and `replica` are leaves every layer may use.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 import pdserve
 
 PACKAGE = Path(pdserve.__file__).resolve().parent
-LAYERS = {"engine": 0, "handoff": 1, "prefill": 2, "decode": 2, "router": 3, "cluster": 4,
-          "bench": 5, "cli": 6}
+LAYERS = {"engine": 0, "handoff": 1, "prefill": 2, "decode": 2, "ranks": 2, "router": 3,
+          "cluster": 4, "bench": 5, "cli": 6}
 LEAVES = {"log", "replica"}
 
 

@@ -48,9 +48,10 @@ def check_profilable(setup: Setup) -> None:
 
 
 def replica_cost(setup: Setup, role: str) -> tuple[str, float]:
-    """(divided resource, amount per replica): GPUs when the role uses any, else CPUs."""
-    resources = setup.config.role_configs()[role].resources
-    return ("GPU", resources.num_gpus) if resources.num_gpus > 0 else ("CPU", resources.num_cpus)
+    """(divided resource, amount per replica, every rank of it): GPUs when the role uses any,
+    else CPUs."""
+    replica = setup.config.role_configs()[role].replica_resources()
+    return ("GPU", replica.num_gpus) if replica.num_gpus > 0 else ("CPU", replica.num_cpus)
 
 
 def profile_config(launcher: ServeLauncher, args: argparse.Namespace, slo: SLO,

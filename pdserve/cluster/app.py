@@ -21,6 +21,7 @@ from pdserve.engine.kv_cache import max_model_len_for
 from pdserve.engine.model_config import ModelConfig
 from pdserve.handoff.config import MAX_PIECE_BYTES, HandoffConfig
 from pdserve.prefill.worker import PrefillWorker
+from pdserve.ranks import RankSettings
 from pdserve.router.http_guard import HttpGuardSettings
 from pdserve.router.ingress import Ingress, IngressSettings, node_ip
 from pdserve.router.pipeline import PipelineSettings
@@ -84,6 +85,7 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
     options: dict[str, Any] = {"name": role, "ray_actor_options": role_cfg.ray_actor_options(),
                                "max_ongoing_requests": cfg.engine.max_num_seqs * 2}
     options["request_router_config"] = _request_router(cfg, role)
+    options.update(role_cfg.placement_options())
     if role == "prefill":
         # Serve stops a replica this long after its last call returned at most; the KV of
         # those calls is still sending (the worker drains it in __del__).
@@ -95,6 +97,15 @@ def _deployment_options(cfg: PdserveConfig, role: str) -> dict[str, Any]:
     else:
         options["num_replicas"] = plan.replicas
     return options
+
+
+def rank_settings(cfg: PdserveConfig, role: str,
+                  handoff: HandoffConfig | None) -> RankSettings:
+    """How many ranks a replica of ``role`` runs, and what each rank's actor gets."""
+    role_cfg = cfg.role_configs()[role]
+    return RankSettings(size=role_cfg.tensor_parallel_size,
+                        collective_timeout_s=role_cfg.collective_timeout_s, role=role,
+                        actor_options=role_cfg.rank_actor_options(), handoff=handoff)
 
 
 def build_from_config(cfg: PdserveConfig) -> Application:
@@ -114,8 +125,11 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
     # The worker fills in its own address.
     kv_store = cfg.kv_store.client_settings("") if cfg.kv_store.enabled else None
     max_model_len = max_model_len_for(model, cfg.model.max_model_len)
+    prefill_role = cfg.role_configs().get("prefill")
+    prefill_tp = prefill_role.tensor_parallel_size if prefill_role is not None else 1
     decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
-        engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s, node_ip, kv_store)
+        engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s, node_ip, kv_store,
+        rank_settings(cfg, "decode", decode_handoff), prefill_tp)
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(

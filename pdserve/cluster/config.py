@@ -147,8 +147,8 @@ class PdserveConfig(Section):
 
     def check_parallelism(self, model: ModelConfig) -> None:
         """Raise `ConfigError` for a role's tensor_parallel_size that ``model`` cannot be split
-        by (naming each count that does not divide), or above 1: the engine and the handoff run
-        TP groups, but a Serve replica of several ranks (one actor per rank) is not built."""
+        by (naming each count that does not divide), or a prefill degree above 1: a prefill
+        replica sends its KV from rank 0 alone."""
         problems = []
         for name, role in self.role_configs().items():
             key, size = f"roles.{name}.tensor_parallel_size", role.tensor_parallel_size
@@ -157,10 +157,10 @@ class PdserveConfig(Section):
             except TPSplitError as exc:
                 problems.append(f"{key}: {exc}; choose a degree that divides them")
                 continue
-            if size > 1:
-                problems.append(f"{key}: {size}: serving a replica of several ranks (a Ray "
-                                "actor per rank in a placement group) is not implemented; "
-                                "use 1")
+            if size > 1 and name == "prefill":
+                problems.append(f"{key}: {size}: prefill replicas of several ranks (each rank "
+                                "sending the KV heads it holds) are not served; use 1 (decode "
+                                "replicas may have several ranks)")
         if problems:
             raise ConfigError(problems)
 

@@ -20,8 +20,8 @@ class Resources(Section):
                             "whole numbers in disaggregated mode so prefill and decode never "
                             "share a GPU.")
     custom: dict[str, float] = Field(
-        default_factory=dict, description="Custom Ray resources per replica, e.g. {prefill_node: "
-        "1} to pin the role to nodes started with --resources '{\"prefill_node\": N}'.")
+        default_factory=dict, description="Custom Ray resources per rank, e.g. {prefill_node: 1} "
+        "to pin the role to nodes started with --resources '{\"prefill_node\": N}'.")
 
     @field_validator("num_gpus", mode="before")
     @classmethod
@@ -77,6 +77,9 @@ class Role(Section):
     tensor_parallel_size: int = Field(
         1, ge=1, description="Ranks per replica (tensor parallelism), one device each (one core "
         "on CPU); must split the model's attention heads, KV heads and MLP width.")
+    collective_timeout_s: float = Field(
+        60.0, gt=0, description="Bound on each collective of a tensor-parallel step: a rank "
+        "that died or hangs fails its replica within it (Serve then replaces the replica).")
     resources: Resources = Field(default_factory=Resources, description="Per-rank resources.")
     autoscaling: Autoscaling | None = Field(
         None, description="Scale this role within bounds; start-up count must lie inside them.")
@@ -89,14 +92,45 @@ class Role(Section):
         return self.resources.to_replica_resources(self.tensor_parallel_size)
 
     def ray_actor_options(self) -> dict[str, Any]:
-        """Ray Serve's ``ray_actor_options`` for one replica of this role."""
+        """Ray Serve's ``ray_actor_options`` for one replica of this role (rank 0's actor;
+        with several ranks, the placement group's bundle 0 holds it)."""
+        options = self.rank_actor_options()
+        if self.node_labels and self.tensor_parallel_size == 1:
+            options["label_selector"] = dict(self.node_labels)
+        return options
+
+    def rank_actor_options(self) -> dict[str, Any]:
+        """What Ray gives the actor of each rank."""
         options: dict[str, Any] = {"num_cpus": self.resources.num_cpus,
                                    "num_gpus": self.resources.num_gpus}
         if self.resources.custom:
             options["resources"] = dict(self.resources.custom)
-        if self.node_labels:
-            options["label_selector"] = dict(self.node_labels)
         return options
+
+    def placement_options(self) -> dict[str, Any]:
+        """Serve's placement group of one replica of several ranks: a bundle per rank, all on
+        one node (the ranks' collectives meet on the node's address); none for one rank."""
+        if self.tensor_parallel_size == 1:
+            return {}
+        bundle = {"CPU": self.resources.num_cpus, "GPU": self.resources.num_gpus,
+                  **self.resources.custom}
+        bundle = {name: amount for name, amount in bundle.items() if amount > 0}
+        size = self.tensor_parallel_size
+        options: dict[str, Any] = {"placement_group_bundles": [bundle] * size,
+                                   "placement_group_strategy": "STRICT_PACK"}
+        if self.node_labels:
+            options["placement_group_bundle_label_selector"] = [dict(self.node_labels)] * size
+        return options
+
+    @model_validator(mode="after")
+    def _ranks_ask_for_something(self) -> Role:
+        if self.tensor_parallel_size > 1 and not (
+                self.resources.num_cpus or self.resources.num_gpus
+                or any(self.resources.custom.values())):
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs resources "
+                             "per rank (num_cpus or num_gpus above 0): each rank is a bundle of "
+                             "the replica's placement group, and Ray refuses an empty one")
+        return self
 
 
 class Capacity(Section):

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import threading
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -79,12 +81,28 @@ def init_ray(cfg: PdserveConfig, address: str) -> None:
     """Start a private Ray (``local``: loopback only, token auth, and the frontend's Serve
     settings, which Ray's processes read from their environment), or join ``address``
     (whose processes already run with theirs). Must come before Ray is imported."""
+    num_cpus = None
     if address == "local":
         keep_local_ray_private()
         os.environ.update(frontend_for(cfg.http).env)
+        cores = os.cpu_count() or 1
+        num_cpus = local_num_cpus(cfg, cores)
+        if num_cpus is not None:
+            print(f"pdserve starts its local Ray with {num_cpus} logical CPUs, what the config "
+                  f"needs, on this machine's {cores} cores: replicas and their ranks share "
+                  "cores", flush=True)
     import ray
 
-    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
+    ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
+             num_cpus=num_cpus)
+
+
+def local_num_cpus(cfg: PdserveConfig, cores: int) -> int | None:
+    """The logical CPUs a local Ray needs for the config's start-up replicas (every rank of
+    each) and its ingress when that exceeds ``cores``; None: Ray's own count of the cores."""
+    needed = cfg.replica_plan().demand().get("CPU", 0) + Fraction(
+        cfg.router.replicas * cfg.router.num_cpus)
+    return math.ceil(needed) if needed > cores else None
 
 
 async def drain_and_shut_down(cfg: PdserveConfig, app_name: str = APP_NAME) -> None:

@@ -22,12 +22,14 @@ from pdserve.decode.api import (
     KVArrived,
     KVTicket,
 )
+from pdserve.decode.group_receiver import GroupReceiver
 from pdserve.decode.token_publisher import TokenPublisher
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import ReceivedKVSlots
+from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 from pdserve.handoff.kv_event_server import serve_engine_events
@@ -55,15 +57,19 @@ class DecodeWorker:
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig | None,
                  plane_token: str, reserve_timeout_s: float,
                  node_host: Callable[[], str] = lambda: "127.0.0.1",
-                 kv_store: MooncakeSettings | None = None) -> None:
+                 kv_store: MooncakeSettings | None = None,
+                 ranks: RankStarter = ONE_RANK, sender_tp_size: int = 1) -> None:
         """``handoff_config`` None: no KV arrives (colocated); ``reserve_timeout_s``: how long
         a prompt whose KV is coming waits for free blocks (handoff.reserve_timeout_s);
-        ``node_host``: this machine's address for other nodes (the KV event plane's)."""
+        ``node_host``: this machine's address for other nodes (the KV event plane's);
+        ``ranks``: starts the replica's tensor-parallel ranks; ``sender_tp_size``: the prefill
+        replicas' (each of their ranks sends the KV heads it holds)."""
         configure_logging()
         # Before any engine thread starts: threads inherit the binding.
         self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
                                             "decode")
-        self.engine = LLMEngine(engine_config)
+        self.ranks, self.engine = ranks.start(
+            engine_config, lambda tp: LLMEngine(engine_config, tp=tp))
         if kv_store is not None:  # before the engine thread starts
             client = connect_store(kv_store, node_host())
             if client is not None:
@@ -74,10 +80,13 @@ class DecodeWorker:
         self.reserve_timeout_s = reserve_timeout_s
         self.transport: HandoffTransport | None = None
         self.receiver: HandoffReceiver | None = None
+        self.group: GroupReceiver | None = None
         if handoff_config is not None:
             self.transport = HandoffTransport(handoff_config).start()
             self.receiver = HandoffReceiver(self.transport, self.engine.kv_cache,
                                             self.engine.layout)
+            self.group = GroupReceiver(self.receiver, self.engine.layout, sender_tp_size,
+                                       self.ranks.receiver, handoff_config.timeout_s)
         logger.info("decode worker ready: %s", self.engine.describe())
 
     async def generate(self, request: DecodeRequest) -> AsyncIterator[DecodeEvent]:
@@ -85,7 +94,7 @@ class DecodeWorker:
         (a received-KV request's ticket and KV outcome) and ends when the request does.
         Cancelled or failed before the end, the request stops and frees its blocks."""
         rid = request.request_id
-        local = request.local_prefill or self.receiver is None
+        local = request.local_prefill or self.group is None
         done = await self.publisher.open(rid, request.sink, report_cached=local)
         finished = False
         try:
@@ -107,23 +116,22 @@ class DecodeWorker:
             if not finished:
                 # Cancelled (client or ingress gone) or crashed: stop the receiver writing
                 # before the engine frees the blocks.
-                if self.receiver is not None:
-                    self.receiver.cancel(rid)
+                if self.group is not None:
+                    await self.group.cancel(rid)
                 if not self.async_engine.is_dead:
                     await self.async_engine.call(lambda: self.engine.abort(rid))
 
     async def _receive_kv(self, request: DecodeRequest) -> AsyncGenerator[DecodeEvent, None]:
         """Reserve blocks, hand out the ticket, wait for the fence, join the batch."""
-        assert self.receiver is not None
+        assert self.group is not None
         rid = request.request_id
         start = time.monotonic()
         slots = await self._reserve(request)
-        ticket = self.receiver.reserve(
-            rid, slots.block_ids, self.engine.layout,
-            len(request.prompt_token_ids) - slots.num_cached_tokens)
-        yield KVTicket(ticket.to_dict(), slots.num_cached_tokens)
+        ticket = await self.group.reserve(
+            rid, slots.block_ids, len(request.prompt_token_ids) - slots.num_cached_tokens)
+        yield KVTicket(ticket, slots.num_cached_tokens)
         try:
-            fence = await self.receiver.wait_ready_async(rid)
+            fence = await self.group.wait_ready(rid)
         except HandoffError as exc:
             logger.warning("handoff for %s failed: %s", rid, exc)
             await self.async_engine.call(lambda: self.engine.abort(rid))
@@ -181,6 +189,7 @@ class DecodeWorker:
     def check_health(self) -> None:
         if self.async_engine.is_dead:
             raise RuntimeError("decode engine thread died")
+        self.ranks.check()
 
     def __del__(self) -> None:
         # Ray Serve calls this when the replica stops: end transfers before the engine.
@@ -190,3 +199,4 @@ class DecodeWorker:
         if self.transport is not None:
             self.transport.stop()
         self.async_engine.shutdown()
+        self.ranks.close()

@@ -13,8 +13,10 @@ import concurrent.futures
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 from pdserve.engine.kv_layout import KVLayout, LayoutMismatchError, kv_head_range
+from pdserve.handoff.ticket import HandoffTicket
 
 _TP_FIELDS = ("tp_rank", "tp_size")
 
@@ -64,6 +66,38 @@ def route_heads(sender: KVLayout, receiver: KVLayout) -> list[HeadRoute]:
 def route_request_id(request_id: str, route: HeadRoute) -> str:
     """The id a receiver rank reserves one route under (unique per route of a request)."""
     return f"{request_id}/tp{route.sender_rank}>{route.receiver_rank}:{route.heads[0]}"
+
+
+def group_ticket(tickets: Sequence[tuple[int, HandoffTicket]]) -> dict[str, Any]:
+    """The ticket a decode replica of several routes hands out: each route's ticket with the
+    sender rank that fills it. A single route travels as its plain ticket."""
+    if len(tickets) == 1:
+        return tickets[0][1].to_dict()
+    return {"routes": [{"sender_rank": rank, "ticket": ticket.to_dict()}
+                       for rank, ticket in tickets]}
+
+
+def route_tickets(data: dict[str, Any]) -> list[tuple[int, HandoffTicket]]:
+    """`group_ticket` read back: (sender rank, ticket) per route, a plain ticket as rank 0's.
+    Raises ValueError or TypeError for anything else."""
+    if "routes" not in data:
+        return [(0, HandoffTicket.from_dict(data))]
+    routes = data["routes"]
+    if not isinstance(routes, list) or not routes:
+        raise TypeError("a group ticket's routes must be a non-empty list")
+    tickets = []
+    for route in routes:
+        if not isinstance(route, dict) or set(route) != {"sender_rank", "ticket"}:
+            raise TypeError("each route of a group ticket is {sender_rank, ticket}")
+        rank, ticket = route["sender_rank"], route["ticket"]
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            raise TypeError(f"a route's sender_rank must be an int >= 0, got {rank!r}")
+        if not isinstance(ticket, dict):
+            raise TypeError("a route's ticket must be a dict (HandoffTicket.to_dict())")
+        tickets.append((rank, HandoffTicket.from_dict(ticket)))
+    if len({t.num_blocks for _, t in tickets}) != 1 or len({t.num_tokens for _, t in tickets}) != 1:
+        raise ValueError("a group ticket's routes disagree on the blocks they cover")
+    return tickets
 
 
 def all_ready(futures: Sequence[concurrent.futures.Future],

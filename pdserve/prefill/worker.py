@@ -29,6 +29,7 @@ from pdserve.handoff import (
 )
 from pdserve.handoff.kv_event_server import serve_engine_events
 from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
+from pdserve.handoff.routes import all_ready, route_tickets
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
 from pdserve.replica import WorkerLoad, tier_load
@@ -69,9 +70,10 @@ class PrefillWorker:
                 self.engine.tiers.attach_store(client)
         self.events = serve_engine_events(self.engine, handoff_config.auth_token, node_host())
         # Both touched only on the engine thread (commands and the layer hook run there).
-        # Ticket and first block to send (after what the decode worker already holds).
-        self._tickets: dict[str, tuple[HandoffTicket, int]] = {}
-        self._transfers: dict[str, OutboundTransfer] = {}
+        # A ticket per route (one per decode rank's head range) and the first block to send
+        # (after what the decode worker already holds); a transfer per route.
+        self._tickets: dict[str, tuple[list[HandoffTicket], int]] = {}
+        self._transfers: dict[str, list[OutboundTransfer]] = {}
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
         self.drain_timeout_s = drain_timeout_s
@@ -79,9 +81,8 @@ class PrefillWorker:
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         rid = request.request_id
-        ticket = HandoffTicket.from_dict(request.ticket)
-        self.engine.layout.check_matches(ticket.layout)
-        first_block = first_block_to_send(request, ticket.num_tokens,
+        tickets = self._own_tickets(request.ticket)
+        first_block = first_block_to_send(request, tickets[0].num_tokens,
                                           self.engine.layout.block_size)
         arrived = time.monotonic()
         first: RequestOutput | None = None
@@ -90,21 +91,22 @@ class PrefillWorker:
         self.num_queued_tokens += queued
         try:
             await self.async_engine.call(
-                lambda: self._tickets.__setitem__(rid, (ticket, first_block)))
+                lambda: self._tickets.__setitem__(rid, (tickets, first_block)))
             await self.async_engine.call(lambda: self.engine.add_request(
                 rid, request.prompt_token_ids, request.sampling_params, RequestMode.PREFILL_ONLY))
             async for out in self.async_engine.stream(rid, stream):
                 first = out
             assert first is not None and first.new_token_ids
-            transfer = await self.async_engine.call(lambda: self._transfers[rid])
+            transfers = await self.async_engine.call(lambda: self._transfers[rid])
         except BaseException:
             self.async_engine.submit(lambda: self._give_up(rid))
             raise
         finally:
             self.num_queued_tokens -= queued
             await self.async_engine.close_stream(rid, abort=False)
-        self.sender.send_fence(transfer, first.new_token_ids[0])
-        transfer.released.add_done_callback(lambda done: self._on_released(rid, done.result()))
+        for transfer in transfers:
+            self.sender.send_fence(transfer, first.new_token_ids[0])
+        self._when_released(rid, transfers)
         return PrefillResult(
             request_id=rid, first_token_id=first.new_token_ids[0], first_text=first.new_text,
             num_cached_tokens=first.num_cached_tokens,
@@ -122,34 +124,54 @@ class PrefillWorker:
             if not chunk.samples:
                 continue  # the prompt is not complete yet: its KV is sent with the last chunk
             rid = chunk.request.request_id
-            transfer = self._transfers.get(rid)
-            if transfer is None:
+            started = self._transfers.get(rid)
+            if started is None:
                 pending = self._tickets.pop(rid, None)
                 if pending is None:
                     continue
-                ticket, first = pending
-                block_ids = self.engine.kv_manager.block_ids(rid)[first:first + ticket.num_blocks]
-                transfer = self.sender.start_transfer(ticket, block_ids, self.engine.layout)
-                self._transfers[rid] = transfer
-            transfers.append(transfer)
+                tickets, first = pending
+                block_ids = self.engine.kv_manager.block_ids(rid)[first:first
+                                                                  + tickets[0].num_blocks]
+                started = [self.sender.start_transfer(ticket, block_ids, self.engine.layout)
+                           for ticket in tickets]
+                self._transfers[rid] = started
+            transfers.extend(started)
         if transfers:
             self.sender.send_layer(self.engine.kv_cache, layer, transfers)
 
     def _give_up(self, request_id: str) -> None:
         """Engine thread: the caller went away or prefill failed before the fence."""
         self._tickets.pop(request_id, None)
-        transfer = self._transfers.get(request_id)
-        if transfer is None:
+        transfers = self._transfers.get(request_id)
+        if transfers is None:
             self.engine.abort(request_id)  # no send ever read its blocks
             return
-        self.sender.cancel(transfer, "the prefill request was cancelled")
-        transfer.released.add_done_callback(
-            lambda done: self._on_released(request_id, done.result()))
+        for transfer in transfers:
+            self.sender.cancel(transfer, "the prefill request was cancelled")
+        self._when_released(request_id, transfers)
 
-    def _on_released(self, request_id: str, result: SendResult) -> None:
+    def _own_tickets(self, data: dict[str, Any]) -> list[HandoffTicket]:
+        """The routes this replica (one rank) sends: every route of the ticket, each into
+        KV heads it holds."""
+        tickets = []
+        for rank, ticket in route_tickets(data):
+            if rank != 0:
+                raise ValueError(f"the ticket has a route from prefill rank {rank}; this "
+                                 "prefill replica has one rank")
+            self.engine.layout.check_pairs_with(ticket.layout, ticket.kv.heads)
+            tickets.append(ticket)
+        return tickets
+
+    def _when_released(self, request_id: str, transfers: list[OutboundTransfer]) -> None:
+        """Free the request's blocks once no send of any of its transfers reads them."""
+        released = all_ready([t.released for t in transfers])
+        released.add_done_callback(lambda done: self._on_released(request_id, done.result()))
+
+    def _on_released(self, request_id: str, results: list[SendResult]) -> None:
         """Handoff thread: no send reads the blocks any more; free them on the engine thread."""
-        if not result.ok:
-            logger.warning("handoff of %s failed: %s", request_id, result.error)
+        for result in results:
+            if not result.ok:
+                logger.warning("handoff of %s failed: %s", request_id, result.error)
         self.async_engine.submit(lambda: self._forget(request_id))
 
     def _forget(self, request_id: str) -> None:
@@ -183,7 +205,8 @@ class PrefillWorker:
         many were still sending at the deadline."""
         try:
             pending = self.async_engine.submit(
-                lambda: [t.released for t in self._transfers.values()]).result(timeout_s)
+                lambda: [t.released for ts in self._transfers.values() for t in ts]
+            ).result(timeout_s)
         except Exception:  # noqa: BLE001 - a dead engine thread has nothing left to send
             return 0
         _, not_done = concurrent.futures.wait(pending, timeout=timeout_s)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.engine.async_engine import EngineDeadError
 from pdserve.engine.errors import (
     EngineError,
     InvalidRequestError,
@@ -66,7 +67,12 @@ _SPECS: MappingProxyType[type[BaseException], ErrorSpec] = MappingProxyType({
     OverloadedError: ErrorSpec(429, "rate_limit_error", "overloaded"),
     ServiceUnavailableError: ErrorSpec(503, "server_error", "service_unavailable"),
     RequestTimeoutError: ErrorSpec(504, "server_error", "timeout"),
+    # Its message names the crash (a collective's peer address, say): the log keeps that.
+    EngineDeadError: ErrorSpec(503, "server_error", "service_unavailable",
+                               "the worker serving this request stopped; retry it"),
 })
+# pdserve's own exceptions whose message is for the log, not the client.
+_LOGGED_ONLY = (EngineDeadError,)
 # Ray's exceptions by qualified name, so this module need not import Ray.
 _SPECS_BY_NAME: MappingProxyType[str, ErrorSpec] = MappingProxyType({
     "ray.serve.exceptions.BackPressureError": ErrorSpec(
@@ -178,7 +184,7 @@ def openai_error(exc: BaseException, context: str = "") -> OpenAIError:
     elif spec is _INTERNAL:
         logger.error("unhandled %s %s: %s", context, type(exc).__name__, exc, exc_info=exc)
         message = INTERNAL_ERROR_MESSAGE
-    elif _is_pdserve_error(exc):
+    elif _is_pdserve_error(exc) and not isinstance(exc, _LOGGED_ONLY):
         message = str(exc) or type(exc).__name__
     else:
         logger.warning("%s failed (answered %d): %s: %s", context or "request", spec.status,

@@ -85,3 +85,22 @@ def test_profiles_round_trip_through_json() -> None:
     assert profiles_from_json(data) == (PREFILL, DECODE)
     with pytest.raises(PlanError, match="lacks the decode profile"):
         profiles_from_json({"profiles": [PREFILL.to_json()]})
+
+
+def test_a_replica_costs_every_rank_of_it() -> None:
+    from pathlib import Path
+
+    from pdserve.bench.compare import Setup
+    from pdserve.bench.profile import replica_cost
+    from pdserve.cluster.config import parse_config
+
+    raw = {"model": {"generate": {"family": "llama", "size": "tiny", "seed": 0}},
+           "roles": {"prefill": {"replicas": 1, "resources": {"num_cpus": 1.5}},
+                     "decode": {"replicas": 1, "tensor_parallel_size": 2,
+                                "resources": {"num_cpus": 1.5}}}}
+    setup = Setup("tp", Path("tp.yaml"), parse_config(raw, "test"), raw)
+    assert replica_cost(setup, "prefill") == ("CPU", 1.5)
+    assert replica_cost(setup, "decode") == ("CPU", 3.0)
+    raw["roles"]["decode"]["resources"] = {"num_gpus": 1}
+    gpu = Setup("tp", Path("tp.yaml"), parse_config(raw, "test"), raw)
+    assert replica_cost(gpu, "decode") == ("GPU", 2.0)

@@ -52,10 +52,47 @@ def test_degrees_the_model_cannot_split_by_are_refused_naming_the_count(
         cfg.check_parallelism(wide)
 
 
-def test_a_replica_of_several_ranks_is_refused_at_serve_time_saying_so(
+def test_prefill_replicas_of_several_ranks_are_refused_saying_so(
         tiny_checkpoints: dict[str, str]) -> None:
     model = ModelConfig.from_checkpoint(tiny_checkpoints["llama"])
-    cfg = parse_config(config_with(roles__decode__tensor_parallel_size=2))
-    with pytest.raises(ConfigError, match="roles.decode.tensor_parallel_size: 2: serving a "
-                                          "replica of several ranks .* is not implemented"):
+    cfg = parse_config(config_with(roles__prefill__tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match="roles.prefill.tensor_parallel_size: 2: prefill "
+                                          "replicas of several ranks .* are not served"):
         cfg.check_parallelism(model)
+    parse_config(config_with(roles__decode__tensor_parallel_size=2)).check_parallelism(model)
+    colocated = parse_config(config_with(mode="colocated", roles__prefill=None,
+                                         roles__capacity=None,
+                                         roles__decode__tensor_parallel_size=2))
+    colocated.check_parallelism(model)
+
+
+def test_a_replica_of_several_ranks_is_a_placement_group_with_a_bundle_per_rank() -> None:
+    cfg = parse_config(config_with(roles__decode={
+        "replicas": 1, "tensor_parallel_size": 2, "node_labels": {"zone": "a"},
+        "resources": {"num_cpus": 2, "num_gpus": 1, "custom": {"decode_node": 1}}}))
+    decode = cfg.roles.decode
+    bundle = {"CPU": 2.0, "GPU": 1.0, "decode_node": 1.0}
+    assert decode.placement_options() == {
+        "placement_group_bundles": [bundle, bundle], "placement_group_strategy": "STRICT_PACK",
+        "placement_group_bundle_label_selector": [{"zone": "a"}, {"zone": "a"}]}
+    # Rank 0's actor is bundle 0's; the labels select the bundles' node instead of it.
+    assert decode.ray_actor_options() == {"num_cpus": 2.0, "num_gpus": 1.0,
+                                          "resources": {"decode_node": 1.0}}
+    assert cfg.roles.prefill is not None and cfg.roles.prefill.placement_options() == {}
+
+
+def test_ranks_that_ask_for_no_resources_are_refused() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 needs resources per rank"):
+        parse_config(config_with(roles__decode={
+            "replicas": 1, "tensor_parallel_size": 2, "resources": {"num_cpus": 0}}))
+
+
+def test_a_local_ray_counts_the_logical_cpus_every_rank_needs_beyond_the_cores() -> None:
+    from pdserve.cluster.serve_command import local_num_cpus
+
+    # prefill 1 replica x 1 rank, decode 2 replicas x 2 ranks, 1 CPU per rank; ingress 0.5
+    cfg = parse_config(config_with(roles__decode__tensor_parallel_size=2,
+                                   router={"num_cpus": 0.5}))
+    assert local_num_cpus(cfg, 2) == 6  # 5.5 rounded up: Ray counts whole CPUs
+    assert local_num_cpus(cfg, 5) == 6
+    assert local_num_cpus(cfg, 6) is None  # enough cores: Ray counts them itself

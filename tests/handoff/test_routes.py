@@ -7,9 +7,17 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.engine.kv_layout import KVLayout, LayoutMismatchError
+from pdserve.engine.kv_layout import KVLayout, KVSlice, LayoutMismatchError
 from pdserve.handoff.errors import HandoffCancelledError
-from pdserve.handoff.routes import HeadRoute, all_ready, route_heads, route_request_id
+from pdserve.handoff.routes import (
+    HeadRoute,
+    all_ready,
+    group_ticket,
+    route_heads,
+    route_request_id,
+    route_tickets,
+)
+from pdserve.handoff.ticket import HandoffTicket
 
 LAYOUT = KVLayout("fp", "bfloat16", block_size=4, num_layers=2, num_kv_heads=8, head_dim=8)
 
@@ -77,3 +85,37 @@ def test_a_group_is_ready_only_when_every_route_is_and_fails_with_the_first_fail
     futures[0].set_result("late")  # later outcomes change nothing
     assert isinstance(group.exception(0), HandoffCancelledError)
     assert all_ready([]).result(0) == []
+
+
+def _ticket(layout: KVLayout, heads: tuple[int, int], num_blocks: int = 2) -> HandoffTicket:
+    kv = KVSlice(layout, heads)
+    return HandoffTicket("r", 7, b"ucx-address", 9, "host", num_blocks, 5,
+                         kv.num_local_layers * num_blocks * kv.block_bytes, 4096, 1e12, layout,
+                         heads)
+
+
+def test_a_group_ticket_names_each_route_and_reads_back() -> None:
+    one = _ticket(tp(1), (0, 8))
+    assert group_ticket([(0, one)]) == one.to_dict()  # one route travels plain
+    assert route_tickets(one.to_dict()) == [(0, one)]
+    routes = [(0, _ticket(tp(2), (0, 4))), (0, _ticket(tp(2, tp_rank=1), (4, 8)))]
+    data = group_ticket(routes)
+    assert [r["sender_rank"] for r in data["routes"]] == [0, 0]
+    assert route_tickets(data) == routes
+
+
+@pytest.mark.parametrize("data, reason", [
+    ({"routes": []}, "non-empty list"),
+    ({"routes": [{"ticket": {}}]}, "sender_rank, ticket"),
+    ({"routes": [{"sender_rank": -1, "ticket": {}}]}, "sender_rank must be an int >= 0"),
+    ({"routes": [{"sender_rank": 0, "ticket": "t"}]}, "must be a dict"),
+])
+def test_group_tickets_of_the_wrong_shape_are_refused(data: dict, reason: str) -> None:
+    with pytest.raises(TypeError, match=reason):
+        route_tickets(data)
+
+
+def test_routes_that_disagree_on_their_blocks_are_refused() -> None:
+    data = group_ticket([(0, _ticket(tp(2), (0, 4))), (0, _ticket(tp(2, tp_rank=1), (4, 8), 3))])
+    with pytest.raises(ValueError, match="disagree on the blocks"):
+        route_tickets(data)

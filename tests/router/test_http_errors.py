@@ -229,3 +229,17 @@ def test_foreign_errors_answer_a_public_message_and_log_the_detail(
     # pdserve's own errors are written for the client and keep their message.
     own = openai_error(ServiceUnavailableError("no decode replica is running"))
     assert own.body["error"]["message"] == "no decode replica is running"
+
+
+def test_a_dead_engine_answers_503_and_keeps_its_cause_in_the_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from pdserve.engine.async_engine import EngineDeadError
+
+    crash = "engine thread died: CollectiveError('all-reduce failed: [10.1.2.3]:4242 closed')"
+    with caplog.at_level(logging.WARNING, logger="pdserve.router.http_errors"):
+        answer = openai_error(EngineDeadError(crash), "POST /v1/completions")
+    assert answer.status == 503
+    assert answer.body["error"] == {
+        "message": "the worker serving this request stopped; retry it", "type": "server_error",
+        "param": None, "code": "service_unavailable"}
+    assert [r.getMessage().count(crash) for r in caplog.records] == [1]

@@ -141,6 +141,12 @@ def replica_pids(app: str, role: str) -> list[int]:
     return [pid for pid in descendants(os.getpid()) if title(pid).startswith(marker)]
 
 
+def rank_pids() -> list[int]:
+    """Pids of tensor-parallel rank actors (ranks other than 0) among this test process's
+    descendants."""
+    return [pid for pid in descendants(os.getpid()) if title(pid).startswith("ray::TPRank")]
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
