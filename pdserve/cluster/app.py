@@ -133,7 +133,8 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
     prefill = None
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(
-            engine_config, prefill_handoff, cfg.handoff.drain_timeout_s, node_ip, kv_store)
+            engine_config, prefill_handoff, cfg.handoff.drain_timeout_s, node_ip, kv_store,
+            rank_settings(cfg, "prefill", prefill_handoff))
     settings = IngressSettings(
         model_path=model_path, served_model_name=cfg.model_name(), max_model_len=max_model_len,
         max_in_flight_requests=cfg.router.max_in_flight_requests,

@@ -100,6 +100,7 @@ class PdserveConfig(Section):
 
     def _cross_field_problems(self) -> Iterator[tuple[str, str]]:
         yield from _role_shape_problems(self)
+        yield from _tier_problems(self)
         if self.kv_store.enabled and not self.engine.enable_prefix_caching:
             yield "kv_store.enabled", ("the shared store holds cached prefixes: it needs "
                                        "engine.enable_prefix_caching: true")
@@ -147,8 +148,7 @@ class PdserveConfig(Section):
 
     def check_parallelism(self, model: ModelConfig) -> None:
         """Raise `ConfigError` for a role's tensor_parallel_size that ``model`` cannot be split
-        by (naming each count that does not divide), or a prefill degree above 1: a prefill
-        replica sends its KV from rank 0 alone."""
+        by (naming each count that does not divide)."""
         problems = []
         for name, role in self.role_configs().items():
             key, size = f"roles.{name}.tensor_parallel_size", role.tensor_parallel_size
@@ -156,11 +156,6 @@ class PdserveConfig(Section):
                 check_tp_fits(model, size, "degree")
             except TPSplitError as exc:
                 problems.append(f"{key}: {exc}; choose a degree that divides them")
-                continue
-            if size > 1 and name == "prefill":
-                problems.append(f"{key}: {size}: prefill replicas of several ranks (each rank "
-                                "sending the KV heads it holds) are not served; use 1 (decode "
-                                "replicas may have several ranks)")
         if problems:
             raise ConfigError(problems)
 
@@ -230,6 +225,21 @@ def _has_key(data: Any, dotted: str) -> bool:
             return False
         data = data[part]
     return True
+
+
+def _tier_problems(cfg: PdserveConfig) -> Iterator[tuple[str, str]]:
+    """The KV tiers load blocks into rank 0's cache alone: a replica of several ranks would
+    compute with KV its other ranks never received."""
+    split = [f"roles.{name}.tensor_parallel_size {role.tensor_parallel_size}"
+             for name, role in cfg.role_configs().items() if role.tensor_parallel_size > 1]
+    if not split:
+        return
+    why = (f"loads KV into rank 0's cache only, which {', '.join(split)} does not serve; turn "
+           "it off or use tensor_parallel_size 1")
+    if cfg.engine.host_kv_cache_gb > 0:
+        yield "engine.host_kv_cache_gb", f"the host KV tier {why}"
+    if cfg.kv_store.enabled:
+        yield "kv_store.enabled", f"the shared KV store {why}"
 
 
 def _role_shape_problems(cfg: PdserveConfig) -> Iterator[tuple[str, str]]:

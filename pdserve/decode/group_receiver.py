@@ -66,7 +66,7 @@ class GroupReceiver:
         return group_ticket(tickets)
 
     async def wait_ready(self, request_id: str) -> FenceInfo:
-        """Once every route's fence verified: the first token (every route carries rank 0's)
+        """Once every route's fence verified: the first token (a route from prefill rank 0's)
         and the bytes of all routes. The first route to fail cancels the others and raises
         its `HandoffError`; the engine may free the blocks once this returns or raises."""
         waits = [asyncio.ensure_future(self._wait_route(request_id, route))
@@ -82,7 +82,8 @@ class GroupReceiver:
                 wait.cancel()
             await self.cancel(request_id)
             raise
-        first = fences[0]
+        # Prefill rank 0 alone samples: other ranks' fences carry a placeholder token.
+        first = next(f for f, r in zip(fences, self.routes, strict=True) if r.sender_rank == 0)
         return dataclasses.replace(first, request_id=request_id,
                                    num_bytes=sum(f.num_bytes for f in fences),
                                    num_pieces=sum(f.num_pieces for f in fences))

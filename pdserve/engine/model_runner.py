@@ -7,8 +7,10 @@ ranks' runners run the same plan (`run_plan`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -52,6 +54,8 @@ class ModelRunner:
         self.device = device
         self.tp: TPGroup = getattr(model, "tp", SINGLE_RANK)
         self.sampler = Sampler()
+        # Rank 0's worker: per request id, plain data the other ranks' workers need this step.
+        self.attach: Callable[[SchedulerOutput], dict[str, Any]] | None = None
 
     @staticmethod
     def plan(
@@ -115,6 +119,8 @@ class ModelRunner:
         every chunk that samples at random (greedy ones have none)."""
         plan, requests = self.plan(output, block_ids_of)
         if self.tp.size > 1:
+            if self.attach is not None:
+                plan = dataclasses.replace(plan, attachments=self.attach(output))
             self.tp.broadcast_plan(plan.encode())
         bits = draw_bits([draws.get(r.request_id) for r in requests])
         batch = self.prepare(plan, bits)

@@ -6,17 +6,20 @@ Returns the first token at once; the request's blocks stay pinned until the send
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import RequestOutput
+from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode, RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
 from pdserve.handoff import (
@@ -29,12 +32,22 @@ from pdserve.handoff import (
 )
 from pdserve.handoff.kv_event_server import serve_engine_events
 from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
+from pdserve.handoff.rank_sends import route_attachment
 from pdserve.handoff.routes import all_ready, route_tickets
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
 from pdserve.replica import WorkerLoad, tier_load
 
 logger = logging.getLogger(__name__)
+Routes = list[tuple[int, HandoffTicket]]  # (sender rank, ticket) per route
+
+
+class RankSends(Protocol):
+    """The KV sends of a prefill rank other than 0 (its actor, from rank 0's threads)."""
+
+    def released(self, request_id: str) -> concurrent.futures.Future[Any]: ...
+
+    def cancel(self, request_id: str, reason: str) -> None: ...
 
 
 class PrefillWorker:
@@ -43,23 +56,28 @@ class PrefillWorker:
     Block lifetime on this side (deferred free): a request's blocks are pinned from its
     first chunk; its transfer starts when its last chunk runs; the blocks are released only
     when the sender's ``released`` future says no send reads them any more (sent, failed or
-    cancelled). Full blocks then stay in the prefix cache.
+    cancelled). Full blocks then stay in the prefix cache. With several ranks each rank sends
+    the routes it is the sender of from its own cache (`handoff.rank_sends`), and the blocks
+    are released once every rank's sends are.
     """
 
     def __init__(self, engine_config: EngineConfig, handoff_config: HandoffConfig,
                  drain_timeout_s: float,
                  node_host: Callable[[], str] = lambda: "127.0.0.1",
-                 kv_store: MooncakeSettings | None = None) -> None:
+                 kv_store: MooncakeSettings | None = None,
+                 ranks: RankStarter = ONE_RANK) -> None:
         """``drain_timeout_s``: how long a stopping replica waits for its transfers in flight
         (handoff.drain_timeout_s); ``node_host``: this machine's address for other nodes
-        (where the KV event plane listens)."""
+        (where the KV event plane listens); ``ranks``: starts the replica's tensor-parallel
+        ranks."""
         configure_logging()
         # Before any engine thread starts: threads inherit the binding.
         self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
                                             "prefill")
         self.transport = HandoffTransport(handoff_config).start()
         try:
-            self.engine = LLMEngine(engine_config)
+            self.ranks, self.engine = ranks.start(
+                engine_config, lambda tp: LLMEngine(engine_config, tp=tp))
         except BaseException:
             self.transport.stop()
             raise
@@ -72,8 +90,12 @@ class PrefillWorker:
         # Both touched only on the engine thread (commands and the layer hook run there).
         # A ticket per route (one per decode rank's head range) and the first block to send
         # (after what the decode worker already holds); a transfer per route.
-        self._tickets: dict[str, tuple[list[HandoffTicket], int]] = {}
+        self._tickets: dict[str, tuple[Routes, int]] = {}
         self._transfers: dict[str, list[OutboundTransfer]] = {}
+        self._remote: list[RankSends] = [self.ranks.sends(rank)
+                                         for rank in range(1, self.engine.tp.size)]
+        if self._remote:  # the other ranks learn their routes from the step plan
+            self.engine.runner.attach = self._attach
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
         self.drain_timeout_s = drain_timeout_s
@@ -81,8 +103,8 @@ class PrefillWorker:
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         rid = request.request_id
-        tickets = self._own_tickets(request.ticket)
-        first_block = first_block_to_send(request, tickets[0].num_tokens,
+        tickets = self._routes(request.ticket)
+        first_block = first_block_to_send(request, tickets[0][1].num_tokens,
                                           self.engine.layout.block_size)
         arrived = time.monotonic()
         first: RequestOutput | None = None
@@ -117,6 +139,21 @@ class PrefillWorker:
             kv_reuse=first.kv_reuse,
         )
 
+    def _attach(self, output: SchedulerOutput) -> dict[str, Any]:
+        """Engine thread, before a step's plan goes to the other ranks: the routes and source
+        blocks of each request whose prompt completes in it."""
+        attachments = {}
+        for chunk in output.chunks:
+            rid = chunk.request.request_id
+            pending = self._tickets.get(rid) if chunk.samples else None
+            if pending is not None:
+                attachments[rid] = route_attachment(pending[0], self._source_blocks(rid))
+        return attachments
+
+    def _source_blocks(self, request_id: str) -> list[int]:
+        tickets, first = self._tickets[request_id]
+        return self.engine.kv_manager.block_ids(request_id)[first:first + tickets[0][1].num_blocks]
+
     def _send_layer(self, layer: int, output: SchedulerOutput) -> None:
         """Engine thread, right after `layer` wrote its KV: ship it for completed prompts."""
         transfers = []
@@ -126,14 +163,12 @@ class PrefillWorker:
             rid = chunk.request.request_id
             started = self._transfers.get(rid)
             if started is None:
-                pending = self._tickets.pop(rid, None)
-                if pending is None:
+                if rid not in self._tickets:
                     continue
-                tickets, first = pending
-                block_ids = self.engine.kv_manager.block_ids(rid)[first:first
-                                                                  + tickets[0].num_blocks]
+                block_ids = self._source_blocks(rid)
+                tickets, _ = self._tickets.pop(rid)
                 started = [self.sender.start_transfer(ticket, block_ids, self.engine.layout)
-                           for ticket in tickets]
+                           for rank, ticket in tickets if rank == 0]
                 self._transfers[rid] = started
             transfers.extend(started)
         if transfers:
@@ -148,30 +183,43 @@ class PrefillWorker:
             return
         for transfer in transfers:
             self.sender.cancel(transfer, "the prefill request was cancelled")
+        for rank in self._remote:
+            rank.cancel(request_id, "the prefill request was cancelled")
         self._when_released(request_id, transfers)
 
-    def _own_tickets(self, data: dict[str, Any]) -> list[HandoffTicket]:
-        """The routes this replica (one rank) sends: every route of the ticket, each into
-        KV heads it holds."""
-        tickets = []
-        for rank, ticket in route_tickets(data):
-            if rank != 0:
+    def _routes(self, data: dict[str, Any]) -> Routes:
+        """Every route of the ticket, each checked to be from one of this replica's ranks into
+        KV heads that rank holds."""
+        routes = route_tickets(data)
+        size = self.engine.tp.size
+        for rank, ticket in routes:
+            if rank >= size:
                 raise ValueError(f"the ticket has a route from prefill rank {rank}; this "
-                                 "prefill replica has one rank")
-            self.engine.layout.check_pairs_with(ticket.layout, ticket.kv.heads)
-            tickets.append(ticket)
-        return tickets
+                                 f"prefill replica has {size} rank(s)")
+            layout = dataclasses.replace(self.engine.layout, tp_rank=rank)
+            layout.check_pairs_with(ticket.layout, ticket.kv.heads)
+        if not any(rank == 0 for rank, _ in routes):
+            raise ValueError("the ticket has no route from prefill rank 0 (which samples the "
+                             "first token)")
+        return routes
 
     def _when_released(self, request_id: str, transfers: list[OutboundTransfer]) -> None:
-        """Free the request's blocks once no send of any of its transfers reads them."""
-        released = all_ready([t.released for t in transfers])
-        released.add_done_callback(lambda done: self._on_released(request_id, done.result()))
+        """Free the request's blocks once no send of any rank's transfers reads them."""
+        local = all_ready([t.released for t in transfers])
+        remote = [rank.released(request_id) for rank in self._remote]
+        _when_all_done([local, *remote], lambda: self._on_released(request_id, [local, *remote]))
 
-    def _on_released(self, request_id: str, results: list[SendResult]) -> None:
-        """Handoff thread: no send reads the blocks any more; free them on the engine thread."""
-        for result in results:
-            if not result.ok:
-                logger.warning("handoff of %s failed: %s", request_id, result.error)
+    def _on_released(self, request_id: str,
+                     done: Sequence[concurrent.futures.Future[Any]]) -> None:
+        """No send reads the blocks any more; free them on the engine thread."""
+        for future in done:
+            error = future.exception()
+            results: list[SendResult] = [] if error is not None else future.result()
+            if error is not None:  # the rank died: nothing of it reads the blocks
+                logger.warning("prefill rank of %s failed: %s", request_id, error)
+            for result in results:
+                if not result.ok:
+                    logger.warning("handoff of %s failed: %s", request_id, result.error)
         self.async_engine.submit(lambda: self._forget(request_id))
 
     def _forget(self, request_id: str) -> None:
@@ -198,6 +246,7 @@ class PrefillWorker:
     def check_health(self) -> None:
         if self.async_engine.is_dead:
             raise RuntimeError("prefill engine thread died")
+        self.ranks.check()
 
     def drain(self, timeout_s: float) -> int:
         """Wait (bounded) until no transfer this worker started still sends: a replica
@@ -223,3 +272,21 @@ class PrefillWorker:
         self.sender.close()
         self.transport.stop()
         self.async_engine.shutdown()
+        self.ranks.close()
+
+
+def _when_all_done(futures: Sequence[concurrent.futures.Future[Any]],
+                   callback: Callable[[], None]) -> None:
+    """``callback()`` once every future is done, whether it succeeded or failed."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: concurrent.futures.Future[Any]) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            callback()
+
+    for future in futures:
+        future.add_done_callback(one_done)

@@ -1,6 +1,6 @@
 """One tensor-parallel rank other than 0, as a Ray actor: it joins its replica's group, builds
 its `ShardEngine` (its share of the model and of the KV cache) and runs rank 0's steps; on a
-decode replica it also receives the KV heads it holds.
+decode replica it also receives the KV heads it holds, on a prefill replica it sends them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,10 @@ from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.parallel.group import Rendezvous, connect_group
 from pdserve.engine.parallel.shard_engine import ShardEngine
-from pdserve.handoff import HandoffConfig, HandoffReceiver, HandoffTransport
-from pdserve.handoff.ticket import FenceInfo
+from pdserve.engine.parallel.step_plan import StepPlan
+from pdserve.handoff import HandoffConfig, HandoffReceiver, HandoffSender, HandoffTransport
+from pdserve.handoff.rank_sends import RankSends
+from pdserve.handoff.ticket import FenceInfo, SendResult
 from pdserve.log import configure_logging
 
 logger = logging.getLogger(__name__)
@@ -40,10 +42,16 @@ class TPRank:
         self.shard = ShardEngine(config, self.group)
         self.transport: HandoffTransport | None = None
         self.receiver: HandoffReceiver | None = None
-        if handoff is not None and role == "decode":
+        self.sends: RankSends | None = None
+        if handoff is not None:
             self.transport = HandoffTransport(handoff).start()
+        if self.transport is not None and role == "decode":
             self.receiver = HandoffReceiver(self.transport, self.shard.kv_cache,
                                             self.shard.layout)
+        if self.transport is not None and role == "prefill":
+            sender = HandoffSender(self.transport, device=self.shard.device)
+            self.sends = RankSends(sender, self.shard.kv_cache, self.shard.layout,
+                                   self.shard.loaded.config.num_layers)
         self._stopped: concurrent.futures.Future[str] = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._run, name=f"pdserve-rank-{rank}",
                                         daemon=True)
@@ -76,15 +84,36 @@ class TPRank:
     async def handoff_stats(self) -> Any:
         return self._receiver().stats()
 
+    # ---- prefill: the routes this rank sends -----------------------------------------------
+    async def wait_released(self, request_id: str) -> list[SendResult]:
+        """Once no send of this rank reads ``request_id``'s blocks (rank 0 then frees them)."""
+        sends = self._sends()
+        try:
+            return await asyncio.wrap_future(sends.released(request_id))
+        finally:
+            sends.forget(request_id)
+
+    async def cancel_sends(self, request_id: str, reason: str) -> None:
+        self._sends().cancel(request_id, reason)
+
+    def _sends(self) -> RankSends:
+        if self.sends is None:
+            raise RuntimeError(f"tensor-parallel rank {self.rank} sends no KV")
+        return self.sends
+
     def _receiver(self) -> HandoffReceiver:
         if self.receiver is None:
             raise RuntimeError(f"tensor-parallel rank {self.rank} receives no KV")
         return self.receiver
 
+    def _send_layer(self, layer: int, plan: StepPlan) -> None:
+        assert self.sends is not None
+        self.sends.on_layer(layer, plan.attachments)
+
     def _run(self) -> None:
         error = ""
         try:
-            self.shard.run()
+            self.shard.run(None if self.sends is None else self._send_layer)
         except BaseException as exc:  # noqa: BLE001 - reported through wait_stopped
             logger.exception("tensor-parallel rank %d stopped", self.rank)
             error = f"{type(exc).__name__}: {exc}"

@@ -48,7 +48,8 @@ class RankSettings:
     collective_timeout_s: float
     role: str
     actor_options: dict[str, Any] = field(default_factory=dict)
-    handoff: HandoffConfig | None = None  # decode: each rank receives the KV heads it holds
+    # Each rank receives (decode) or sends (prefill) the KV heads it holds over its own link.
+    handoff: HandoffConfig | None = None
 
     def start(self, config: EngineConfig,
               build: Callable[[TPGroup], T]) -> tuple[ReplicaRanks, T]:
@@ -86,6 +87,10 @@ class RankGroup:
         """Rank ``rank``'s KV receiver (a `handoff.RankReceiver`), through its actor."""
         return RemoteReceiver(self._actors[rank - 1])
 
+    def sends(self, rank: int) -> RemoteSends:
+        """Rank ``rank``'s KV sends (a `prefill.worker.RankSends`), through its actor."""
+        return RemoteSends(self._actors[rank - 1])
+
     def close(self) -> None:
         """End the other ranks and let go of the group (call after rank 0's engine stopped)."""
         for actor in self._actors:
@@ -111,6 +116,21 @@ class RemoteReceiver:
 
     async def cancel(self, request_id: str) -> bool:
         return await self._actor.cancel.remote(request_id)
+
+
+class RemoteSends:
+    """A prefill rank actor's KV sends, asked from rank 0's threads."""
+
+    def __init__(self, actor: Any) -> None:
+        self._actor = actor
+
+    def released(self, request_id: str) -> Future[Any]:
+        """Resolves once the rank's sends of ``request_id`` no longer read its blocks (fails
+        when the actor died: then nothing of it reads them either)."""
+        return self._actor.wait_released.remote(request_id).future()  # type: ignore[no-any-return]
+
+    def cancel(self, request_id: str, reason: str) -> None:
+        self._actor.cancel_sends.remote(request_id, reason)
 
 
 def start_ranks(settings: RankSettings, config: EngineConfig,

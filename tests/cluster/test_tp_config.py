@@ -52,18 +52,29 @@ def test_degrees_the_model_cannot_split_by_are_refused_naming_the_count(
         cfg.check_parallelism(wide)
 
 
-def test_prefill_replicas_of_several_ranks_are_refused_saying_so(
+def test_prefill_and_decode_replicas_of_several_ranks_are_served(
         tiny_checkpoints: dict[str, str]) -> None:
     model = ModelConfig.from_checkpoint(tiny_checkpoints["llama"])
-    cfg = parse_config(config_with(roles__prefill__tensor_parallel_size=2))
-    with pytest.raises(ConfigError, match="roles.prefill.tensor_parallel_size: 2: prefill "
-                                          "replicas of several ranks .* are not served"):
-        cfg.check_parallelism(model)
-    parse_config(config_with(roles__decode__tensor_parallel_size=2)).check_parallelism(model)
+    parse_config(config_with(roles__prefill__tensor_parallel_size=2)).check_parallelism(model)
+    parse_config(config_with(roles__prefill__tensor_parallel_size=2,
+                             roles__decode__tensor_parallel_size=2)).check_parallelism(model)
     colocated = parse_config(config_with(mode="colocated", roles__prefill=None,
                                          roles__capacity=None,
                                          roles__decode__tensor_parallel_size=2))
     colocated.check_parallelism(model)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_kv_tiers_with_a_role_of_several_ranks_are_refused_naming_the_keys(role: str) -> None:
+    split = {f"roles__{role}__tensor_parallel_size": 2}
+    with pytest.raises(ConfigError, match=r"engine.host_kv_cache_gb: the host KV tier loads KV "
+                                          rf"into rank 0's cache only, which roles.{role}"
+                                          r".tensor_parallel_size 2"):
+        parse_config(config_with(engine__host_kv_cache_gb=1, **split))
+    with pytest.raises(ConfigError, match=rf"kv_store.enabled: .*roles.{role}"
+                                          r".tensor_parallel_size 2"):
+        parse_config(config_with(kv_store__enabled=True, **split))
+    parse_config(config_with(engine__host_kv_cache_gb=1, kv_store__enabled=True))
 
 
 def test_a_replica_of_several_ranks_is_a_placement_group_with_a_bundle_per_rank() -> None:

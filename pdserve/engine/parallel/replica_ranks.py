@@ -26,6 +26,9 @@ class ReplicaRanks(Protocol):
         """Rank ``rank``'s (> 0) KV receiver on a decode replica: a `handoff.RankReceiver`
         (typed there: the engine knows nothing of the handoff)."""
 
+    def sends(self, rank: int) -> Any:
+        """Rank ``rank``'s (> 0) KV sends on a prefill replica: a `prefill.worker.RankSends`."""
+
 
 class RankStarter(Protocol):
     """Starts a replica's ranks; the cluster gives workers one (`pdserve.ranks` runs them as
@@ -51,6 +54,9 @@ class LoneRank:
         """Nothing runs beside rank 0."""
 
     def receiver(self, rank: int) -> Any:
+        raise ValueError(f"a replica of one rank has no rank {rank}")
+
+    def sends(self, rank: int) -> Any:
         raise ValueError(f"a replica of one rank has no rank {rank}")
 
 

@@ -4,7 +4,8 @@ built by rank 0's runner from its scheduler's output and broadcast as msgpack (n
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
+from typing import Any
 
 import msgpack
 
@@ -18,7 +19,9 @@ class StepPlan:
     """One step's batch: ``query_lens[i]`` new tokens of chunk ``i`` (request
     ``request_ids[i]``, context ``seq_lens[i]``, cache blocks ``block_tables[i]``), their
     ``token_ids`` and ``positions`` flattened chunk after chunk; ``sample_rows[j]`` is the flat
-    row whose logits chunk ``sample_chunks[j]`` samples from."""
+    row whose logits chunk ``sample_chunks[j]`` samples from. ``attachments``: plain data per
+    request id that rank 0's worker adds for the other ranks' workers (opaque to the engine;
+    e.g. a prefill replica's KV routes for the requests whose last chunk runs)."""
 
     token_ids: list[int]
     positions: list[int]
@@ -28,6 +31,7 @@ class StepPlan:
     request_ids: list[str]
     sample_rows: list[int]
     sample_chunks: list[int]
+    attachments: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
         return msgpack.packb(astuple(self), use_bin_type=True)
@@ -37,6 +41,8 @@ class StepPlan:
         try:
             fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
             plan = cls(*fields)
+            if not isinstance(plan.attachments, dict):
+                raise TypeError("attachments must be a map")
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise StepPlanError(f"cannot decode a step plan: {exc}") from exc
         if not (len(plan.query_lens) == len(plan.seq_lens) == len(plan.block_tables)
