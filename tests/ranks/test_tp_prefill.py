@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -67,24 +69,39 @@ def test_a_killed_prefill_rank_ends_requests_cleanly_and_serve_replaces_the_repl
     wait_for(lambda: health(tp_app) == 200, 60, "the app to be healthy")
     [prefill_pid] = replica_pids(APP, "prefill")
     [rank_pid] = rank_pids()  # the prefill replica's rank 1 (decode has one rank)
-    prompts = [[{"role": "user", "content": f"Request {i}. {SYSTEM * 2}"}] for i in range(6)]
+    prompts = [[{"role": "user", "content": f"Request {i}. {SYSTEM * 2}"}] for i in range(4)]
     wants = [reference(engine, messages)[0] for messages in prompts]
+    results: list[tuple[int, httpx.Response]] = []
+    stop = threading.Event()
 
-    def ask(i: int) -> httpx.Response:
-        return httpx.post(f"{tp_app}/v1/chat/completions", timeout=120, json={
-            "model": "tiny", "messages": prompts[i], "max_tokens": 10, "temperature": 0,
-            "ignore_eos": True})
+    def ask_until_stopped(i: int) -> None:  # back to back: prefill is busy when the rank dies
+        while not stop.is_set():
+            results.append((i, httpx.post(f"{tp_app}/v1/chat/completions", timeout=120, json={
+                "model": "tiny", "messages": prompts[i], "max_tokens": 10, "temperature": 0,
+                "ignore_eos": True, "pdserve_timings": True})))
 
-    with ThreadPoolExecutor(max_workers=6) as pool:
-        answers = [pool.submit(ask, i) for i in range(6)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        loops = [pool.submit(ask_until_stopped, i) for i in range(4)]
+        wait_for(lambda: len(results) >= 4, 60, "requests to flow")
+        answered_before = len(results)
         os.kill(rank_pid, signal.SIGKILL)
-        results = [a.result(timeout=120) for a in answers]  # nothing waits on the dead rank
-    for want, r in zip(wants, results, strict=True):
+        wait_for(lambda: len(results) >= answered_before + 8, 120,
+                 "requests to keep being answered")
+        stop.set()
+        for loop in loops:
+            loop.result(timeout=120)  # nothing waits on the dead rank past its request
+    outcomes: Counter[str] = Counter()
+    for i, r in results:
         if r.status_code == 200:  # prefilled before the kill, or recomputed by decode
-            assert r.json()["choices"][0]["message"]["content"] == want
+            body = r.json()
+            assert body["choices"][0]["message"]["content"] == wants[i]
+            [t] = body["pdserve_timings"]
+            outcomes[t["path"] if t["path"] == "disaggregated" else "recomputed on decode"] += 1
         else:
-            error = r.json()["error"]
-            assert r.status_code in (500, 503) and error["message"], r.text
+            assert r.status_code in (500, 503) and r.json()["error"]["message"], r.text
+            outcomes[f"error {r.status_code}"] += 1
+    print(f"{len(results)} requests, {answered_before} before the kill: {dict(outcomes)}")
+    assert sum(outcomes.values()) - outcomes["disaggregated"] >= 1  # the kill hit some
     wait_for(lambda: replica_pids(APP, "prefill") not in ([], [prefill_pid])
              and len(rank_pids()) == 1 and rank_pid not in rank_pids(), 120,
              "Serve to replace the prefill replica and its rank")
