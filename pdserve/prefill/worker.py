@@ -5,6 +5,7 @@ Returns the first token at once; the request's blocks stay pinned until the send
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import time
@@ -31,6 +32,14 @@ from pdserve.handoff.kv_event_server import serve_engine_events
 from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
+from pdserve.prefill.peer_kv import (
+    PeerPuller,
+    PeerSendRequest,
+    PeerSource,
+    best_source,
+    send_cached,
+)
+from pdserve.prefill.serve_context import own_replica_id, prefill_role_handle
 from pdserve.replica import WorkerLoad, tier_load
 
 logger = logging.getLogger(__name__)
@@ -68,6 +77,9 @@ class PrefillWorker:
             if client is not None:
                 self.engine.tiers.attach_store(client)
         self.events = serve_engine_events(self.engine, handoff_config.auth_token, node_host())
+        # Pulls need one rank's whole cache on each side.
+        self.puller = PeerPuller(self.transport, self.engine, prefill_role_handle) \
+            if engine_config.peer_kv_pull and self.engine.tp.size == 1 else None
         # Both touched only on the engine thread (commands and the layer hook run there).
         # Ticket and first block to send (after what the decode worker already holds).
         self._tickets: dict[str, tuple[HandoffTicket, int]] = {}
@@ -88,9 +100,12 @@ class PrefillWorker:
         stream = self.async_engine.open_stream(rid)
         queued = len(request.prompt_token_ids) - request.decode_cached_tokens
         self.num_queued_tokens += queued
+        source = None
+        if self.puller is not None:
+            self.puller.loop = asyncio.get_running_loop()
+            source = best_source(request.peer_prefixes, own_replica_id())
         try:
-            await self.async_engine.call(
-                lambda: self._tickets.__setitem__(rid, (ticket, first_block)))
+            await self.async_engine.call(lambda: self._admit(rid, ticket, first_block, source))
             await self.async_engine.call(lambda: self.engine.add_request(
                 rid, request.prompt_token_ids, request.sampling_params, RequestMode.PREFILL_ONLY))
             async for out in self.async_engine.stream(rid, stream):
@@ -115,6 +130,17 @@ class PrefillWorker:
             kv_reuse=first.kv_reuse,
         )
 
+    def _admit(self, rid: str, ticket: HandoffTicket, first_block: int,
+               source: PeerSource | None) -> None:
+        """Engine thread: remember the request's ticket (and a peer caching its prefix)."""
+        self._tickets[rid] = (ticket, first_block)
+        if source is not None and self.puller is not None:
+            self.puller.hint(rid, source)
+
+    async def send_cached(self, ask: PeerSendRequest) -> str | None:
+        """Another prefill worker pulls a prefix this one caches (`peer_kv.send_cached`)."""
+        return await send_cached(self.async_engine, self.sender, ask)
+
     def _send_layer(self, layer: int, output: SchedulerOutput) -> None:
         """Engine thread, right after `layer` wrote its KV: ship it for completed prompts."""
         transfers = []
@@ -138,6 +164,8 @@ class PrefillWorker:
     def _give_up(self, request_id: str) -> None:
         """Engine thread: the caller went away or prefill failed before the fence."""
         self._tickets.pop(request_id, None)
+        if self.puller is not None:
+            self.puller.forget(request_id)
         transfer = self._transfers.get(request_id)
         if transfer is None:
             self.engine.abort(request_id)  # no send ever read its blocks
@@ -154,6 +182,8 @@ class PrefillWorker:
 
     def _forget(self, request_id: str) -> None:
         self._transfers.pop(request_id, None)
+        if self.puller is not None:
+            self.puller.forget(request_id)
         request = self.engine.scheduler.get_request(request_id)
         if request is not None and request.status is RequestStatus.PREFILLED:
             self.engine.release(request_id)  # full blocks stay in the prefix cache
@@ -198,5 +228,7 @@ class PrefillWorker:
                            "recompute them", left)
         self.events.close()
         self.sender.close()
+        if self.puller is not None:
+            self.puller.receiver.close()
         self.transport.stop()
         self.async_engine.shutdown()
