@@ -138,7 +138,11 @@ class PrefillWorker:
             self.puller.hint(rid, source)
 
     async def send_cached(self, ask: PeerSendRequest) -> str | None:
-        """Another prefill worker pulls a prefix this one caches (`peer_kv.send_cached`)."""
+        """Another prefill worker pulls a prefix this one caches (`peer_kv.send_cached`).
+        A call meant for another replica (gone, so the router chose another) is refused:
+        peer_gone."""
+        if ask.pinned_replica != own_replica_id():
+            return "peer_gone"
         return await send_cached(self.async_engine, self.sender, ask)
 
     def _send_layer(self, layer: int, output: SchedulerOutput) -> None:

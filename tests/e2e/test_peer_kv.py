@@ -2,12 +2,16 @@
 (router.prefill_policy round_robin), so a repeat lands on the replica that did not compute
 its prompt. It pulls the prefix from the other one over the UCXX handoff and computes only
 the rest, with one engine's greedy tokens; a pull whose estimate loses is declined and
-logged; every block of every worker comes back, pins included."""
+logged; a source killed while the pull waits on it leaves the request computed, correct, and
+counted by reason; every block of every worker comes back, pins included."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -133,3 +137,49 @@ def test_a_pull_that_costs_more_than_computing_is_declined(
                             'choice="recompute",tier="peer"') == 1
         wait_for(lambda: all(settled(ray_serve, "peer-slow") for _ in range(4)), 30,
                  "every worker's blocks back to baseline")
+
+
+def replica_pid(app: str, replica_id: str) -> int:
+    """The process of one Serve replica (its actor is named after the replica's id), from
+    the GCS's actor table (the session's Ray runs no dashboard for `ray.util.state`)."""
+    from ray._private.state import actors
+
+    found = [a for a in actors(actor_state_name="ALIVE").values()
+             if a["Name"] == f"SERVE_REPLICA::{app}#prefill#{replica_id}"]
+    assert len(found) == 1, [a["Name"] for a in actors(actor_state_name="ALIVE").values()]
+    return int(found[0]["Pid"])
+
+
+def loading_on_prefill(url: str) -> float:
+    metrics = httpx.get(f"{url}/metrics", timeout=30).text
+    return metric_value(metrics, "pdserve:num_requests_loading_kv", 'role="prefill"')
+
+
+def test_killing_the_source_mid_pull_computes_the_prefix(
+        ray_serve: ServedApps, tiny_checkpoints: dict[str, str], documents: list[list[int]],
+        greedy: Any) -> None:
+    with ray_serve.deploy("peer-kill", peer_app(tiny_checkpoints["llama"], 0.0)) as url:
+        wait_for(lambda: len(ingress_index("peer-kill")) == 2, 60, "the ingress to follow both")
+        ids = documents[1] + [8, 9]
+        complete(url, ids, greedy)
+        wait_for(lambda: indexed("peer-kill", DOC_BLOCKS), 10, "the index to hold it")
+        [source] = [rid for rid, c in ingress_index("peer-kill").items()
+                    if c["device"] >= DOC_BLOCKS]
+        pid = replica_pid("peer-kill", source)
+        # Frozen, the source never answers: the other replica waits with its blocks
+        # reserved and its ticket out until the source dies.
+        os.kill(pid, signal.SIGSTOP)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(complete, url, ids, greedy)
+            wait_for(lambda: loading_on_prefill(url) >= 1, 30, "the pull to be under way")
+            os.kill(pid, signal.SIGKILL)
+            again = answer.result(timeout=120)
+        assert again["kv_tier"] == "peer" and again["kv_load_choice"] == "load", again
+        assert again["kv_loaded_tokens"] == 0, again
+        assert again["kv_load_failure"] == "peer_gone", again
+        assert again["prefill_tokens_computed"] == len(ids), again
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert metric_value(metrics, "pdserve:kv_load_failures_total",
+                            f'reason="{again["kv_load_failure"]}",tier="peer"') == 1
+        wait_for(lambda: all(settled(ray_serve, "peer-kill") for _ in range(4)), 60,
+                 "the surviving workers' blocks back to baseline")
