@@ -325,6 +325,21 @@ class HttpSection(Section):
         return keys
 
 
+def kv_tier_problems(engine: EngineSection, router: RouterSection,
+                     kv_store_enabled: bool) -> list[tuple[str, str]]:
+    """The KV tier settings that depend on another section: (key, why) for each problem."""
+    problems = []
+    if kv_store_enabled and not engine.enable_prefix_caching:
+        problems.append(("kv_store.enabled", "the shared store holds cached prefixes: it needs "
+                         "engine.enable_prefix_caching: true"))
+    if engine.peer_kv_pull and router.prefill_policy == "least_loaded":
+        problems.append(("engine.peer_kv_pull", "a pull asks the replica that caches the "
+                         "prefix through the prefill role's request router, and Serve's own "
+                         "(router.prefill_policy least_loaded) cannot name one: choose "
+                         "prefix_affinity or round_robin"))
+    return problems
+
+
 def default_staging_bytes(kv_bytes_per_token: int, max_num_batched_tokens: int) -> int:
     """handoff.staging_buffer_mb's default, in bytes: one engine step's KV of the model (what one
     step can hand the sender at once), at least `MIN_STAGING_BYTES`."""
