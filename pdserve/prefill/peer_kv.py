@@ -13,23 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.peer_tier import PeerTier
 from pdserve.handoff import (
     FenceInfo,
     HandoffError,
     HandoffReceiver,
-    HandoffSender,
-    HandoffTicket,
     HandoffTransport,
-    OutboundTransfer,
 )
 
 logger = logging.getLogger(__name__)
-
-# The fence of a pull carries no sampled token; the puller samples its own.
-NO_TOKEN = 0
 
 
 @dataclass(frozen=True)
@@ -114,7 +107,13 @@ class PeerPuller:
             self._peer.finish(request_id, "reserve", 0, 0.0)
             return
         ask = PeerSendRequest(pull_id, ticket.to_dict(), token_ids, first_block, source)
-        asyncio.run_coroutine_threadsafe(self._pull(request_id, ask, started), self.loop)
+        pull = self._pull(request_id, ask, started)
+        try:
+            asyncio.run_coroutine_threadsafe(pull, self.loop)
+        except RuntimeError:  # the replica's loop is closed: it is stopping
+            pull.close()
+            self.receiver.cancel(pull_id)
+            self._peer.finish(request_id, "stopping", 0, 0.0)
 
     async def _pull(self, request_id: str, ask: PeerSendRequest, started: float) -> None:
         """The replica's loop: wait for the fence or the source's refusal; exactly one end."""
@@ -168,46 +167,3 @@ class _PullFailed(Exception):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
-
-
-def start_peer_send(engine: LLMEngine, sender: HandoffSender, ask: PeerSendRequest,
-                    ticket: HandoffTicket, unpin: Callable[[str], None]) -> OutboundTransfer | None:
-    """Engine thread, on the source: pin the cached blocks and send every layer of them plus
-    a fence; None (nothing pinned) when any block is not cached. The blocks stay pinned until
-    the transfer's ``released`` resolved: ``unpin`` (engine thread work) is scheduled then."""
-    pin_id = f"peer-send/{ticket.receiver_instance}/{ticket.transfer_id}"
-    block_ids = engine.kv_manager.pin_cached(pin_id, ask.token_ids, ask.first_block)
-    if block_ids is None:
-        return None
-    if len(block_ids) != ticket.num_blocks:
-        engine.kv_manager.unpin(pin_id)
-        return None
-    transfer = sender.start_transfer(ticket, block_ids, engine.layout)
-    for layer in range(engine.layout.num_local_layers):
-        sender.send_layer(engine.kv_cache, layer, [transfer])
-    sender.send_fence(transfer, NO_TOKEN)
-    transfer.released.add_done_callback(lambda _: unpin(pin_id))
-    return transfer
-
-
-async def send_cached(async_engine: AsyncEngine, sender: HandoffSender,
-                      ask: PeerSendRequest) -> str | None:
-    """The source's side of a pull: None once every piece and the fence were sent, else why
-    not (peer_miss: the blocks are no longer cached; bad_ticket; peer_send: the send
-    failed)."""
-    try:
-        ticket = HandoffTicket.from_dict(ask.ticket)
-    except (TypeError, ValueError) as exc:
-        logger.warning("peer send %s refused: %s", ask.pull_id, exc)
-        return "bad_ticket"
-    engine = async_engine.engine
-
-    def unpin(pin_id: str) -> None:
-        async_engine.submit(lambda: engine.kv_manager.unpin(pin_id))
-
-    transfer = await async_engine.call(
-        lambda: start_peer_send(engine, sender, ask, ticket, unpin))
-    if transfer is None:
-        return "peer_miss"
-    result = await asyncio.wrap_future(transfer.released)
-    return None if result.ok else "peer_send"

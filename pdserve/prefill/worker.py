@@ -32,13 +32,8 @@ from pdserve.handoff.kv_event_server import serve_engine_events
 from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
-from pdserve.prefill.peer_kv import (
-    PeerPuller,
-    PeerSendRequest,
-    PeerSource,
-    best_source,
-    send_cached,
-)
+from pdserve.prefill.peer_kv import PeerPuller, PeerSendRequest, PeerSource, best_source
+from pdserve.prefill.peer_source import send_cached
 from pdserve.prefill.serve_context import own_replica_id, prefill_role_handle
 from pdserve.replica import WorkerLoad, tier_load
 

@@ -12,7 +12,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_layout import KVSlice
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.handoff import HandoffTicket
-from pdserve.prefill.peer_kv import PeerSendRequest, PeerSource, best_source, send_cached
+from pdserve.prefill.peer_kv import PeerSendRequest, PeerSource, best_source
+from pdserve.prefill.peer_source import send_cached
 
 
 def ticket_bytes(engine: LLMEngine, num_blocks: int) -> int:
