@@ -37,6 +37,7 @@ from pdserve.cluster.config_sections import (
     Section,
     check_api_key,
     default_staging_bytes,
+    kv_tier_problems,
 )
 from pdserve.cluster.kv_store_section import KVStoreSection
 from pdserve.cluster.role_sections import Role, Roles
@@ -100,9 +101,9 @@ class PdserveConfig(Section):
 
     def _cross_field_problems(self) -> Iterator[tuple[str, str]]:
         yield from _role_shape_problems(self)
-        if self.kv_store.enabled and not self.engine.enable_prefix_caching:
-            yield "kv_store.enabled", ("the shared store holds cached prefixes: it needs "
-                                       "engine.enable_prefix_caching: true")
+        yield from kv_tier_problems(
+            self.engine, self.router, self.kv_store.enabled,
+            [name for name, role in self.role_configs().items() if role.tensor_parallel_size > 1])
         try:
             plan = self.replica_plan()
         except CapacityError as exc:

@@ -119,6 +119,9 @@ class PdserveMetrics:
                               "wait to be scheduled (or for their KV).", replica, registry=r)
         self._host_usage = Gauge("pdserve:kv_host_cache_usage_perc", "Fraction of a replica's "
                                  "host-tier blocks holding cached KV.", replica, registry=r)
+        self._loading = Gauge("pdserve:num_requests_loading_kv", "Requests a replica holds "
+                              "whose prompt prefix is loading from another tier (host, store "
+                              "or a peer worker).", replica, registry=r)
 
     def observe(self, timings: RequestTimings) -> None:
         """Record one finished request (any status)."""
@@ -171,13 +174,15 @@ class PdserveMetrics:
         """The Prometheus text exposition of every metric, for ``GET /metrics``, with the
         roles' latest reported loads."""
         self._in_flight.set(num_in_flight)
-        for gauge in (self._kv_usage, self._running, self._waiting, self._host_usage):
+        for gauge in (self._kv_usage, self._running, self._waiting, self._host_usage,
+                      self._loading):
             gauge.clear()
         for load in loads:
             labels = {"role": load.role, "replica": load.replica_id}
             self._kv_usage.labels(**labels).set(load.kv_usage)
             self._running.labels(**labels).set(load.num_running)
             self._waiting.labels(**labels).set(load.num_waiting)
+            self._loading.labels(**labels).set(load.num_loading)
             if load.num_host_blocks:
                 self._host_usage.labels(**labels).set(
                     load.num_host_cached_blocks / load.num_host_blocks)

@@ -96,3 +96,15 @@ def test_a_local_ray_counts_the_logical_cpus_every_rank_needs_beyond_the_cores()
     assert local_num_cpus(cfg, 2) == 6  # 5.5 rounded up: Ray counts whole CPUs
     assert local_num_cpus(cfg, 5) == 6
     assert local_num_cpus(cfg, 6) is None  # enough cores: Ray counts them itself
+
+
+@pytest.mark.parametrize("tier", [{"engine__host_kv_cache_gb": 0.5},
+                                  {"kv_store__enabled": True},
+                                  {"engine__peer_kv_pull": True,
+                                   "router__prefill_policy": "round_robin"}])
+def test_kv_tiers_are_refused_with_a_role_of_several_ranks(tier: dict) -> None:
+    parse_config(config_with(**tier))  # one rank per replica: the tier is fine
+    key = next(iter(tier)).replace("__", ".")
+    with pytest.raises(ConfigError, match=rf"{key}: the KV tiers load into a replica's rank 0 "
+                       r"only, and roles.decode has tensor_parallel_size above 1"):
+        parse_config(config_with(roles__decode__tensor_parallel_size=2, **tier))
