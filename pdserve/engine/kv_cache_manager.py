@@ -202,6 +202,19 @@ class KVCacheManager:
         self._pins[pin_id] = block_ids
         return block_ids
 
+    def held_in_host_tier(self, token_ids: Sequence[int], first_block: int) -> bool:
+        """Whether every block ``[first_block, len(token_ids) // block_size)`` of
+        ``token_ids`` is cached in device KV or the host tier (a prefix request for them would
+        load, not compute)."""
+        bs = self.block_size
+        num_blocks = len(token_ids) // bs
+        if self.host_pool is None or not self.enable_prefix_caching or first_block >= num_blocks:
+            return False
+        hashes = hash_full_blocks(token_ids[:num_blocks * bs], bs, self.salt)
+        return all(self._pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs]) is not None
+                   or self.host_pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
+                   is not None for i in range(first_block, num_blocks))
+
     def unpin(self, pin_id: str) -> None:
         """Drop `pin_cached`'s references (no-op for an unknown pin)."""
         block_ids = self._pins.pop(pin_id, None)
