@@ -22,14 +22,19 @@ class WorkerLoad:
     num_waiting: int  # requests not running yet (decode: those awaiting KV too)
     num_queued_tokens: int = 0  # prefill: prompt tokens accepted and not prefilled yet
     kv_events_address: str = ""  # "host:port" of its KV event plane ("" : none)
-    # The KV tiers beside the device, cumulative: host blocks held, loads and their bytes
-    # and seconds, loads that failed (computed instead).
+    # The KV tiers beside the device: host blocks held, requests whose prefix is loading now;
+    # cumulative: loads (host, and pulls from peer workers) and their bytes and seconds, loads
+    # that failed (computed instead).
     num_host_blocks: int = 0
     num_host_cached_blocks: int = 0
     num_host_loads: int = 0
     num_host_load_bytes: int = 0
     host_load_ms: int = 0
     num_load_failures: int = 0
+    num_loading: int = 0
+    num_peer_loads: int = 0
+    num_peer_load_bytes: int = 0
+    peer_load_ms: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -55,4 +60,8 @@ def tier_load(stats: Any) -> dict[str, int]:
             "num_host_loads": stats.num_host_loads,
             "num_host_load_bytes": stats.num_host_load_bytes,
             "host_load_ms": int(stats.host_load_seconds * 1000),
-            "num_load_failures": stats.num_load_failures}
+            "num_load_failures": stats.num_load_failures,
+            "num_loading": stats.num_loading,
+            "num_peer_loads": stats.num_peer_loads,
+            "num_peer_load_bytes": stats.num_peer_load_bytes,
+            "peer_load_ms": int(stats.peer_load_seconds * 1000)}

@@ -37,6 +37,7 @@ from pdserve.cluster.config_sections import (
     Section,
     check_api_key,
     default_staging_bytes,
+    kv_tier_problems,
 )
 from pdserve.cluster.kv_store_section import KVStoreSection
 from pdserve.cluster.role_sections import Role, Roles
@@ -100,10 +101,9 @@ class PdserveConfig(Section):
 
     def _cross_field_problems(self) -> Iterator[tuple[str, str]]:
         yield from _role_shape_problems(self)
-        yield from _tier_problems(self)
-        if self.kv_store.enabled and not self.engine.enable_prefix_caching:
-            yield "kv_store.enabled", ("the shared store holds cached prefixes: it needs "
-                                       "engine.enable_prefix_caching: true")
+        yield from kv_tier_problems(
+            self.engine, self.router, self.kv_store.enabled,
+            [name for name, role in self.role_configs().items() if role.tensor_parallel_size > 1])
         try:
             plan = self.replica_plan()
         except CapacityError as exc:
@@ -225,21 +225,6 @@ def _has_key(data: Any, dotted: str) -> bool:
             return False
         data = data[part]
     return True
-
-
-def _tier_problems(cfg: PdserveConfig) -> Iterator[tuple[str, str]]:
-    """The KV tiers load blocks into rank 0's cache alone: a replica of several ranks would
-    compute with KV its other ranks never received."""
-    split = [f"roles.{name}.tensor_parallel_size {role.tensor_parallel_size}"
-             for name, role in cfg.role_configs().items() if role.tensor_parallel_size > 1]
-    if not split:
-        return
-    why = (f"loads KV into rank 0's cache only, which {', '.join(split)} does not serve; turn "
-           "it off or use tensor_parallel_size 1")
-    if cfg.engine.host_kv_cache_gb > 0:
-        yield "engine.host_kv_cache_gb", f"the host KV tier {why}"
-    if cfg.kv_store.enabled:
-        yield "kv_store.enabled", f"the shared KV store {why}"
 
 
 def _role_shape_problems(cfg: PdserveConfig) -> Iterator[tuple[str, str]]:

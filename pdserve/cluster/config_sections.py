@@ -107,6 +107,21 @@ class EngineSection(Section):
         "prompt whose prefix continues there loads it back (fenced: the request computes only "
         "after the copy verified) when the measured load time beats the measured prefill "
         "time. Needs enable_prefix_caching.")
+    peer_kv_pull: bool = Field(
+        False, description="Disaggregated mode: when another prefill replica caches a longer "
+        "prefix of a prompt (the ingress's prefix index) than the replica chosen to prefill it, "
+        "the chosen one pulls those blocks over the KV handoff (authenticated, fenced, the "
+        "source pinning them while it sends) and computes only the rest, if the measured pull "
+        "time beats the measured prefill time; any failure computes the prefix instead. The "
+        "pull asks the source through the prefill role's request router, which must be one of "
+        "pdserve's (router.prefill_policy other than least_loaded). Needs "
+        "enable_prefix_caching.")
+    peer_link_latency_ms: float = Field(
+        10.0, ge=0, description="A pull's assumed fixed cost (the request to the source and "
+        "the handoff's set-up) until this worker measured one.")
+    peer_link_gb_per_s: float = Field(
+        1.0, gt=0, description="A pull's assumed bandwidth in GB/s until this worker measured "
+        "one.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: CUDA when the replica sees a GPU, else CPU.")
     num_threads: int | None = Field(
@@ -132,6 +147,9 @@ class EngineSection(Section):
         if self.host_kv_cache_gb > 0 and not self.enable_prefix_caching:
             raise ValueError("engine.host_kv_cache_gb holds cached prefixes: it needs "
                              "engine.enable_prefix_caching: true (or set it to 0)")
+        if self.peer_kv_pull and not self.enable_prefix_caching:
+            raise ValueError("engine.peer_kv_pull reuses cached prefixes: it needs "
+                             "engine.enable_prefix_caching: true")
         return self
 
     @model_validator(mode="after")
@@ -164,7 +182,9 @@ class EngineSection(Section):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, max_model_len=model.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
-            host_kv_cache_gb=self.host_kv_cache_gb,
+            host_kv_cache_gb=self.host_kv_cache_gb, peer_kv_pull=self.peer_kv_pull,
+            peer_link_latency_s=self.peer_link_latency_ms / 1000.0,
+            peer_link_bytes_per_s=self.peer_link_gb_per_s * 1e9,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             num_threads=self.num_threads, cpu_affinity=cpu_affinity)
 
@@ -303,6 +323,31 @@ class HttpSection(Section):
         for key in keys:
             check_api_key(key.get_secret_value())
         return keys
+
+
+def kv_tier_problems(engine: EngineSection, router: RouterSection, kv_store_enabled: bool,
+                     tp_roles: list[str]) -> list[tuple[str, str]]:
+    """The KV tier settings that depend on another section: (key, why) for each problem.
+    ``tp_roles``: the roles whose replicas have several tensor-parallel ranks."""
+    problems = []
+    if tp_roles:
+        # The tiers copy KV into rank 0's cache alone: the other ranks would read stale heads.
+        on = [key for key, used in (("engine.host_kv_cache_gb", engine.host_kv_cache_gb > 0),
+                                    ("kv_store.enabled", kv_store_enabled),
+                                    ("engine.peer_kv_pull", engine.peer_kv_pull)) if used]
+        problems += [(key, f"the KV tiers load into a replica's rank 0 only, and "
+                      f"{', '.join(f'roles.{r}' for r in tp_roles)} has tensor_parallel_size "
+                      "above 1: turn this tier off or use tensor_parallel_size 1")
+                     for key in on]
+    if kv_store_enabled and not engine.enable_prefix_caching:
+        problems.append(("kv_store.enabled", "the shared store holds cached prefixes: it needs "
+                         "engine.enable_prefix_caching: true"))
+    if engine.peer_kv_pull and router.prefill_policy == "least_loaded":
+        problems.append(("engine.peer_kv_pull", "a pull asks the replica that caches the "
+                         "prefix through the prefill role's request router, and Serve's own "
+                         "(router.prefill_policy least_loaded) cannot name one: choose "
+                         "prefix_affinity or round_robin"))
+    return problems
 
 
 def default_staging_bytes(kv_bytes_per_token: int, max_num_batched_tokens: int) -> int:

@@ -36,6 +36,11 @@ class EngineConfig:
     enable_prefix_caching: bool
     # Host tier per worker in GiB (0: none): evicted cached blocks live on there.
     host_kv_cache_gb: float = 0.0
+    # Prefill role: pull a longer prefix that another prefill worker caches when that beats
+    # computing it; a pull's assumed cost until one is measured.
+    peer_kv_pull: bool = False
+    peer_link_latency_s: float = 0.0
+    peer_link_bytes_per_s: float = 0.0
     # Cap on one request's prefill chunk per step (0: no cap beyond the step budget), so a
     # long prompt cannot stall the decodes that share its steps.
     long_prefill_token_threshold: int

@@ -56,6 +56,7 @@ class KVCacheManager:
         self.host_pool = host_pool if enable_prefix_caching else None
         self._tables: dict[str, _BlockTable] = {}
         self._hashes: dict[str, list[bytes]] = {}  # memo; block contents never change
+        self._pins: dict[str, list[int]] = {}  # cached blocks another worker reads, by pin id
         self.write_back = WriteBack(self._pool, self.host_pool, store_puts)
 
     @property
@@ -176,12 +177,60 @@ class KVCacheManager:
             self._pool.release(reversed(table.block_ids))
             self.write_back.on_release(table.block_ids)
 
+    @property
+    def num_pinned_for_peers(self) -> int:
+        return sum(len(ids) for ids in self._pins.values())
+
+    def pin_cached(self, pin_id: str, token_ids: Sequence[int],
+                   first_block: int) -> list[int] | None:
+        """The cached device blocks holding blocks ``[first_block, len(token_ids) //
+        block_size)`` of ``token_ids``, each with one more reference under ``pin_id`` (another
+        worker reads them: no eviction) until `unpin`; None, nothing pinned, when any of them
+        is not cached."""
+        bs = self.block_size
+        num_blocks = len(token_ids) // bs
+        if not self.enable_prefix_caching or pin_id in self._pins or first_block >= num_blocks:
+            return None
+        hashes = hash_full_blocks(token_ids[:num_blocks * bs], bs, self.salt)
+        block_ids: list[int] = []
+        for i in range(first_block, num_blocks):
+            block_id = self._pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
+            if block_id is None:
+                return None
+            block_ids.append(block_id)
+        self._pool.touch(block_ids)
+        self._pins[pin_id] = block_ids
+        return block_ids
+
+    def held_in_host_tier(self, token_ids: Sequence[int], first_block: int) -> bool:
+        """Whether every block ``[first_block, len(token_ids) // block_size)`` of
+        ``token_ids`` is cached in device KV or the host tier (a prefix request for them would
+        load, not compute)."""
+        bs = self.block_size
+        num_blocks = len(token_ids) // bs
+        if self.host_pool is None or not self.enable_prefix_caching or first_block >= num_blocks:
+            return False
+        hashes = hash_full_blocks(token_ids[:num_blocks * bs], bs, self.salt)
+        return all(self._pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs]) is not None
+                   or self.host_pool.lookup(hashes[i], token_ids[i * bs:(i + 1) * bs])
+                   is not None for i in range(first_block, num_blocks))
+
+    def unpin(self, pin_id: str) -> None:
+        """Drop `pin_cached`'s references (no-op for an unknown pin)."""
+        block_ids = self._pins.pop(pin_id, None)
+        if block_ids:
+            self._pool.release(reversed(block_ids))
+            self.write_back.on_release(block_ids)
+
     def check_integrity(self) -> None:
-        """Pool invariants, plus: each block's ref count equals the tables that hold it."""
+        """Pool invariants, plus: each block's ref count equals the tables (and peer pins)
+        that hold it."""
         self._pool.check_integrity()
         if self.host_pool is not None:
             self.host_pool.check_integrity()
         holders: Counter[int] = self.write_back.pins()
+        for block_ids in self._pins.values():
+            holders.update(block_ids)
         for request_id, table in self._tables.items():
             assert len(set(table.block_ids)) == len(table.block_ids), (
                 f"request {request_id} holds a block twice: {table.block_ids}"

@@ -34,10 +34,12 @@ class LoadDecision:
 
 
 class TransferRate:
-    """Seconds per copy against bytes, fitted as latency + bytes / bandwidth."""
+    """Seconds per copy against bytes, fitted as latency + bytes / bandwidth; ``prior``
+    (latency s, bytes per s) stands in until the first copy is measured."""
 
-    def __init__(self) -> None:
+    def __init__(self, prior: tuple[float, float] | None = None) -> None:
         self._samples: deque[tuple[int, float]] = deque(maxlen=_SAMPLES)
+        self.prior = prior
 
     def observe(self, num_bytes: int, seconds: float) -> None:
         if num_bytes > 0 and seconds >= 0:
@@ -61,7 +63,7 @@ class TransferRate:
         return latency, 1.0 / slope
 
     def estimate(self, num_bytes: int) -> float | None:
-        fitted = self.fit()
+        fitted = self.fit() or self.prior
         if fitted is None:
             return None
         latency, bandwidth = fitted
@@ -106,6 +108,10 @@ class KVCostModel:
     def __init__(self) -> None:
         self.transfers: dict[str, TransferRate] = {}
         self.prefill = PrefillRate()
+
+    def set_prior(self, tier: str, latency_s: float, bytes_per_s: float) -> None:
+        """What a copy from ``tier`` is assumed to cost until one is measured."""
+        self.transfers.setdefault(tier, TransferRate()).prior = (latency_s, bytes_per_s)
 
     def observe_transfer(self, tier: str, num_bytes: int, seconds: float) -> None:
         self.transfers.setdefault(tier, TransferRate()).observe(num_bytes, seconds)

@@ -1,6 +1,6 @@
-"""The engine's KV beyond its device blocks: the host tier, the shared store, the cost model
-that chooses load or recompute, the event log the cluster's prefix index follows, and the
-endings of their copies.
+"""The engine's KV beyond its device blocks: the host tier, the shared store, other workers'
+caches (peer pulls), the cost model that chooses load or recompute, the event log the
+cluster's prefix index follows, and the endings of their copies.
 
 `KVTiers.service` runs on the engine thread between steps: it settles finished copies and
 starts the stores that releases queued.
@@ -20,6 +20,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_cost import KVCostModel
 from pdserve.engine.kv_events import KVEventLog, Tier
 from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.peer_tier import PeerPull, PeerTier
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.store_tier import BlockStore, StoreKVTier
 from pdserve.engine.tier_loads import LoadPlan, TierLoads
@@ -45,6 +46,10 @@ class TierStats:
     num_store_loads: int = 0
     num_store_load_bytes: int = 0
     num_store_unavailable: int = 0
+    num_peer_loads: int = 0
+    num_peer_load_bytes: int = 0
+    peer_load_seconds: float = 0.0
+    num_peer_pinned_blocks: int = 0  # cached blocks a peer's pull reads (deferred free)
 
 
 def num_host_blocks_for(layout: KVLayout, host_kv_cache_gb: float) -> int:
@@ -65,11 +70,13 @@ class KVTiers:
         if enable_prefix_caching and num_host > 0:
             self.host = HostKVTier(layout, num_host, kv_cache, self.events, self._notify)
         self.store: StoreKVTier | None = None
+        self.peer: PeerTier | None = None
         self._device_cache = kv_cache
         self._counts = dict.fromkeys(("stores", "store_bytes", "loads", "load_bytes",
                                       "failures", "puts", "put_failures", "store_loads",
-                                      "store_load_bytes"), 0)
+                                      "store_load_bytes", "peer_loads", "peer_load_bytes"), 0)
         self._load_seconds = 0.0
+        self._peer_seconds = 0.0
 
     def attach(self, kv: KVCacheManager, scheduler: Scheduler) -> None:
         """Give the scheduler its loads (only with a host tier or a store)."""
@@ -84,16 +91,33 @@ class KVTiers:
         self._kv.write_back.puts = True
         self._give_loads()
 
+    def attach_peer(self, pull: PeerPull, latency_s: float, bytes_per_s: float) -> None:
+        """Pull prefixes that another worker caches through ``pull`` (engine thread, before
+        any request); a pull is assumed to cost ``latency_s`` plus bytes / ``bytes_per_s``
+        until one is measured."""
+        self.peer = PeerTier(pull, self._notify)
+        self.cost.set_prior(Tier.PEER.value, latency_s, bytes_per_s)
+        self._give_loads()
+
     def _give_loads(self) -> None:
         sizes = {Tier.HOST: self.host.block_bytes if self.host else 0,
-                 Tier.STORE: self.store.row_bytes if self.store else 0}
-        store = self.store
+                 Tier.STORE: self.store.row_bytes if self.store else 0,
+                 Tier.PEER: kv_cache_bytes(self.layout, 1)}
+        store, peer = self.store, self.peer
         self._scheduler.loads = TierLoads(
             self._kv, self.cost, sizes, self._submit_load,
-            None if store is None else lambda hashes: store.continuation(hashes))
+            None if store is None else lambda hashes: store.continuation(hashes),
+            None if peer is None else peer.blocks_held)
 
     def _submit_load(self, request_id: str, plan: LoadPlan, device_ids: list[int]) -> None:
-        if plan.tier is Tier.HOST:
+        if plan.tier is Tier.PEER:
+            assert self.peer is not None
+            request = self._scheduler.get_request(request_id)
+            assert request is not None
+            end = (plan.first_block + plan.num_blocks) * self._kv.block_size
+            self.peer.pull(request_id, request.token_ids_slice(0, end), plan.first_block,
+                           device_ids)
+        elif plan.tier is Tier.HOST:
             assert self.host is not None
             self.host.submit(CopyKind.LOAD, device_ids, plan.host_ids, request_id)
         else:
@@ -105,6 +129,8 @@ class KVTiers:
         """Copies that ended and wait to be settled, or copies waiting to start."""
         host_done = self.host is not None and self.host.has_finished
         store_done = self.store is not None and self.store.has_finished
+        if self.peer is not None and self.peer.has_finished:
+            return True
         return host_done or store_done or (
             (self.host is not None or self.store is not None) and self._kv.write_back.has_pending)
 
@@ -114,6 +140,15 @@ class KVTiers:
             self._service_host(self.host)
         if self.store is not None:
             self._service_store(self.store)
+        if self.peer is not None:
+            for done in self.peer.poll():
+                if done.error is None:
+                    self._counts["peer_loads"] += 1
+                    self._counts["peer_load_bytes"] += done.num_bytes
+                    self._peer_seconds += done.seconds
+                else:
+                    self._counts["failures"] += 1
+                self._scheduler.finish_load(done.request_id, done.error, done.seconds)
 
     def _service_store(self, store: StoreKVTier) -> None:
         for done in store.poll():
@@ -184,7 +219,10 @@ class KVTiers:
             host_load_seconds=self._load_seconds, num_load_failures=c["failures"],
             num_store_puts=c["puts"], num_store_put_failures=c["put_failures"],
             num_store_loads=c["store_loads"], num_store_load_bytes=c["store_load_bytes"],
-            num_store_unavailable=self.store.num_unavailable if self.store else 0)
+            num_store_unavailable=self.store.num_unavailable if self.store else 0,
+            num_peer_loads=c["peer_loads"], num_peer_load_bytes=c["peer_load_bytes"],
+            peer_load_seconds=self._peer_seconds,
+            num_peer_pinned_blocks=self._kv.num_pinned_for_peers)
 
     def close(self) -> None:
         if self.host is not None:

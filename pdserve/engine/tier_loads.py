@@ -1,5 +1,6 @@
-"""Prefix loads from the host tier or the shared store into device blocks: chosen at admission
-by measured cost, and fenced: the request computes only after its copy completed and verified.
+"""Prefix loads from the host tier, another worker or the shared store into device blocks:
+chosen at admission by measured cost, and fenced: the request computes only after its copy
+completed and verified.
 
 The scheduler's collaborator for LOADING_KV requests; metadata only (a callback copies).
 """
@@ -21,16 +22,19 @@ from pdserve.engine.request import Request, RequestStatus
 LoadSubmit = Callable[[str, "LoadPlan", list[int]], None]
 # How many of these block hashes, from the first, the shared store holds.
 StoreLookup = Callable[[list[bytes]], int]
+# How many of the request's prompt blocks, from the first, another worker holds.
+PeerLookup = Callable[[str], int]
 
 
 @dataclass(frozen=True)
 class LoadPlan:
     """Where the blocks after a request's device prefix come from: host blocks, or the
-    shared store's blocks of these hashes."""
+    shared store's (or a peer worker's) blocks of these hashes, from block ``first_block``."""
 
     tier: Tier
     host_ids: list[int]
     hashes: list[bytes]
+    first_block: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -58,12 +62,14 @@ class TierLoads:
 
     def __init__(self, kv: KVCacheManager, cost: KVCostModel,
                  bytes_per_block: dict[Tier, int], submit: LoadSubmit,
-                 store_lookup: StoreLookup | None = None) -> None:
+                 store_lookup: StoreLookup | None = None,
+                 peer_lookup: PeerLookup | None = None) -> None:
         self.kv = kv
         self.cost = cost
         self.bytes_per_block = bytes_per_block
         self.submit = submit
         self.store_lookup = store_lookup
+        self.peer_lookup = peer_lookup
         self._loading: dict[str, _Loading] = {}
         self.num_failures: dict[str, int] = {}  # by reason
 
@@ -94,6 +100,9 @@ class TierLoads:
 
     def _find(self, request: Request, num_device_blocks: int) -> LoadPlan | None:
         host_ids = self.kv.find_host_continuation(request, num_device_blocks)
+        peer = self._peer_plan(request, num_device_blocks, len(host_ids))
+        if peer is not None:
+            return peer
         if host_ids:
             return LoadPlan(Tier.HOST, host_ids, [])
         if self.store_lookup is None:
@@ -102,6 +111,19 @@ class TierLoads:
         hashes = self.kv.block_hashes(request, num_device_blocks, max_blocks)
         found = self.store_lookup(hashes) if hashes else 0
         return LoadPlan(Tier.STORE, [], hashes[:found]) if found else None
+
+    def _peer_plan(self, request: Request, num_device_blocks: int,
+                   num_host_blocks: int) -> LoadPlan | None:
+        """A peer's blocks after the device prefix, when the peer holds more of the prompt
+        than this worker's device and host tiers together (never the last token's block)."""
+        if self.peer_lookup is None:
+            return None
+        max_blocks = (request.num_tokens - 1) // self.kv.block_size
+        held = min(self.peer_lookup(request.request_id), max_blocks)
+        if held <= num_device_blocks + num_host_blocks:
+            return None
+        hashes = self.kv.block_hashes(request, num_device_blocks, held)
+        return LoadPlan(Tier.PEER, [], hashes, num_device_blocks)
 
     def start(self, request: Request, cached_ids: list[int], plan: LoadPlan) -> bool:
         """Own the blocks and start the copy; False (nothing changed) when they do not fit."""

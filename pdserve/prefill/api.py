@@ -25,6 +25,10 @@ class PrefillRequest:
     # The prefill replicas best first (ingress's prefix index and loads): the role's request
     # router follows it.
     replica_ranking: tuple[str, ...] = ()
+    # (replica id, leading prompt blocks its device cache holds) for the prefill replicas
+    # that hold any (the ingress's prefix index): a longer prefix than the chosen replica's
+    # may be pulled from one of them (engine.peer_kv_pull).
+    peer_prefixes: tuple[tuple[str, int], ...] = ()
 
 
 def first_block_to_send(request: PrefillRequest, ticket_num_tokens: int, block_size: int) -> int:

@@ -5,6 +5,7 @@ Returns the first token at once; the request's blocks stay pinned until the send
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import logging
@@ -36,6 +37,9 @@ from pdserve.handoff.rank_sends import route_attachment
 from pdserve.handoff.routes import all_ready, route_tickets
 from pdserve.log import configure_logging
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
+from pdserve.prefill.peer_kv import PeerPuller, PeerSendRequest, PeerSource, best_source
+from pdserve.prefill.peer_source import send_cached
+from pdserve.prefill.serve_context import own_replica_id, prefill_role_handle
 from pdserve.replica import WorkerLoad, tier_load
 
 logger = logging.getLogger(__name__)
@@ -87,6 +91,9 @@ class PrefillWorker:
             if client is not None:
                 self.engine.tiers.attach_store(client)
         self.events = serve_engine_events(self.engine, handoff_config.auth_token, node_host())
+        # Pulls need one rank's whole cache on each side.
+        self.puller = PeerPuller(self.transport, self.engine, prefill_role_handle) \
+            if engine_config.peer_kv_pull and self.engine.tp.size == 1 else None
         # Both touched only on the engine thread (commands and the layer hook run there).
         # A ticket per route (one per decode rank's head range) and the first block to send
         # (after what the decode worker already holds); a transfer per route.
@@ -111,9 +118,12 @@ class PrefillWorker:
         stream = self.async_engine.open_stream(rid)
         queued = len(request.prompt_token_ids) - request.decode_cached_tokens
         self.num_queued_tokens += queued
+        source = None
+        if self.puller is not None:
+            self.puller.loop = asyncio.get_running_loop()
+            source = best_source(request.peer_prefixes, own_replica_id())
         try:
-            await self.async_engine.call(
-                lambda: self._tickets.__setitem__(rid, (tickets, first_block)))
+            await self.async_engine.call(lambda: self._admit(rid, tickets, first_block, source))
             await self.async_engine.call(lambda: self.engine.add_request(
                 rid, request.prompt_token_ids, request.sampling_params, RequestMode.PREFILL_ONLY))
             async for out in self.async_engine.stream(rid, stream):
@@ -154,6 +164,21 @@ class PrefillWorker:
         tickets, first = self._tickets[request_id]
         return self.engine.kv_manager.block_ids(request_id)[first:first + tickets[0][1].num_blocks]
 
+    def _admit(self, rid: str, tickets: Routes, first_block: int,
+               source: PeerSource | None) -> None:
+        """Engine thread: remember the request's tickets (and a peer caching its prefix)."""
+        self._tickets[rid] = (tickets, first_block)
+        if source is not None and self.puller is not None:
+            self.puller.hint(rid, source)
+
+    async def send_cached(self, ask: PeerSendRequest) -> str | None:
+        """Another prefill worker pulls a prefix this one caches (`peer_kv.send_cached`).
+        A call meant for another replica (gone, so the router chose another) is refused:
+        peer_gone."""
+        if ask.pinned_replica != own_replica_id():
+            return "peer_gone"
+        return await send_cached(self.async_engine, self.sender, ask)
+
     def _send_layer(self, layer: int, output: SchedulerOutput) -> None:
         """Engine thread, right after `layer` wrote its KV: ship it for completed prompts."""
         transfers = []
@@ -177,6 +202,8 @@ class PrefillWorker:
     def _give_up(self, request_id: str) -> None:
         """Engine thread: the caller went away or prefill failed before the fence."""
         self._tickets.pop(request_id, None)
+        if self.puller is not None:
+            self.puller.forget(request_id)
         transfers = self._transfers.get(request_id)
         if transfers is None:
             self.engine.abort(request_id)  # no send ever read its blocks
@@ -224,6 +251,8 @@ class PrefillWorker:
 
     def _forget(self, request_id: str) -> None:
         self._transfers.pop(request_id, None)
+        if self.puller is not None:
+            self.puller.forget(request_id)
         request = self.engine.scheduler.get_request(request_id)
         if request is not None and request.status is RequestStatus.PREFILLED:
             self.engine.release(request_id)  # full blocks stay in the prefix cache
@@ -270,6 +299,8 @@ class PrefillWorker:
                            "recompute them", left)
         self.events.close()
         self.sender.close()
+        if self.puller is not None:
+            self.puller.receiver.close()
         self.transport.stop()
         self.async_engine.shutdown()
         self.ranks.close()

@@ -85,7 +85,8 @@ class Ingress:
         self.prompts = PromptBuilder(self.tokenizer, settings.max_model_len,
                                      settings.served_model_name)
         self.roles: RoleMonitor | None = None
-        ranked = settings.pipeline.prefill_ranked or settings.pipeline.decode_ranked
+        ranked = (settings.pipeline.prefill_ranked or settings.pipeline.decode_ranked
+                  or settings.pipeline.peer_pull)
         self.placement = PrefixPlacement(settings.plane_token) if ranked else None
         if decode is not None:
             handles = {"decode": decode} | ({"prefill": prefill} if prefill is not None else {})

@@ -53,6 +53,11 @@ class PdserveMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._add_request_metrics(r)
+        self._add_kv_metrics(r)
+        self._add_replica_gauges(r)
+
+    def _add_request_metrics(self, r: CollectorRegistry) -> None:
         self._ttft = Histogram("pdserve:time_to_first_token_seconds", "Time to first token.",
                                ["path"], buckets=LATENCY_BUCKETS_S, registry=r)
         self._tpot = Histogram("pdserve:request_time_per_output_token_seconds", "A request's "
@@ -92,6 +97,8 @@ class PdserveMetrics:
         self._in_flight = Gauge("pdserve:num_requests_in_flight", "Requests this ingress "
                                 "admitted that have not finished (n choices count n), against "
                                 "router.max_in_flight_requests.", registry=r)
+
+    def _add_kv_metrics(self, r: CollectorRegistry) -> None:
         self._cache_queries = Counter("pdserve:prefix_cache_queries", "Prompt tokens looked "
                                       "up in the prefix caches (vLLM's name).", registry=r)
         self._cache_hits = Counter("pdserve:prefix_cache_hits", "Prompt tokens reused instead "
@@ -109,6 +116,8 @@ class PdserveMetrics:
         self._load_failures = Counter("pdserve:kv_load_failures", "Chosen loads that failed and "
                                       "were computed instead, by reason.", ["tier", "reason"],
                                       registry=r)
+
+    def _add_replica_gauges(self, r: CollectorRegistry) -> None:
         replica = ["role", "replica"]
         self._kv_usage = Gauge("pdserve:kv_cache_usage_perc", "Fraction of a replica's KV "
                                "blocks in use (cached-only blocks count as free).", replica,
@@ -119,6 +128,9 @@ class PdserveMetrics:
                               "wait to be scheduled (or for their KV).", replica, registry=r)
         self._host_usage = Gauge("pdserve:kv_host_cache_usage_perc", "Fraction of a replica's "
                                  "host-tier blocks holding cached KV.", replica, registry=r)
+        self._loading = Gauge("pdserve:num_requests_loading_kv", "Requests a replica holds "
+                              "whose prompt prefix is loading from another tier (host, store "
+                              "or a peer worker).", replica, registry=r)
 
     def observe(self, timings: RequestTimings) -> None:
         """Record one finished request (any status)."""
@@ -171,13 +183,15 @@ class PdserveMetrics:
         """The Prometheus text exposition of every metric, for ``GET /metrics``, with the
         roles' latest reported loads."""
         self._in_flight.set(num_in_flight)
-        for gauge in (self._kv_usage, self._running, self._waiting, self._host_usage):
+        for gauge in (self._kv_usage, self._running, self._waiting, self._host_usage,
+                      self._loading):
             gauge.clear()
         for load in loads:
             labels = {"role": load.role, "replica": load.replica_id}
             self._kv_usage.labels(**labels).set(load.kv_usage)
             self._running.labels(**labels).set(load.num_running)
             self._waiting.labels(**labels).set(load.num_waiting)
+            self._loading.labels(**labels).set(load.num_loading)
             if load.num_host_blocks:
                 self._host_usage.labels(**labels).set(
                     load.num_host_cached_blocks / load.num_host_blocks)

@@ -40,6 +40,9 @@ class PipelineSettings:
     # Whether a role's replicas are ranked by cached prefix (router.*_policy prefix_affinity).
     prefill_ranked: bool = False
     decode_ranked: bool = False
+    # Whether prefill workers may pull a cached prefix from each other (engine.peer_kv_pull):
+    # the prefill request then names the replicas that hold one.
+    peer_pull: bool = False
 
 
 class GenerationPipeline:
@@ -70,6 +73,12 @@ class GenerationPipeline:
             trace.update(routed_cached_tokens=min(
                 placement.cached_tokens(placement.ranking[0]), len(prompt_ids)))
         return placement.ranking
+
+    def _peer_prefixes(self, prompt_ids: list[int]) -> tuple[tuple[str, int], ...]:
+        if not self.settings.peer_pull or self.placement is None or self.roles is None:
+            return ()
+        replicas = [load.replica_id for load in self.roles.loads() if load.role == "prefill"]
+        return self.placement.peer_prefixes(prompt_ids, replicas)
 
     def choose_path(self, num_prompt_tokens: int) -> tuple[str, str | None]:
         """The request's path, and why it is not the planned one (None: it is)."""
@@ -169,7 +178,8 @@ class GenerationPipeline:
         prefill_call = self.prefill.prefill.remote(  # type: ignore[union-attr]
             PrefillRequest(request.request_id, request.prompt_token_ids,
                            request.sampling_params, ticket.ticket, ticket.num_cached_tokens,
-                           self._ranking("prefill", request.prompt_token_ids, True, trace)))
+                           self._ranking("prefill", request.prompt_token_ids, True, trace),
+                           self._peer_prefixes(request.prompt_token_ids)))
         queued = len(request.prompt_token_ids) - ticket.num_cached_tokens
         self.prefill_load.begin(queued)
         try:

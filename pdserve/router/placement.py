@@ -83,6 +83,21 @@ class PrefixPlacement:
                                           now)
         return Placement(ranking, matches, block_size)
 
+    def peer_prefixes(self, prompt: Sequence[int],
+                      replica_ids: Sequence[str]) -> tuple[tuple[str, int], ...]:
+        """(replica id, leading prompt blocks in its device or host tier) of the prefill
+        replicas that the index says hold any: sources a prefill worker may pull a prefix
+        from (a source brings host-tier blocks back to device KV before it sends them)."""
+        feed = self.feeds["prefill"]
+        hashed = feed.prompt_hashes(prompt, MAX_PREFIX_BLOCKS)
+        held = []
+        for replica_id in replica_ids:
+            layout, hashes, _ = hashed.get(replica_id, ("", [], 0))
+            match = feed.index.match(hashes, [replica_id], layout).get(replica_id)
+            if match is not None and match.num_blocks > 0:
+                held.append((replica_id, match.num_blocks))
+        return tuple(held)
+
     async def close(self) -> None:
         for feed in self.feeds.values():
             await feed.close()

@@ -23,6 +23,17 @@ from pdserve.router.pairing import KVHeadroom, rank_by_headroom
 # our policies only add what Serve cannot know (cached prefixes, KV headroom).
 
 
+def _pinned(candidates: list[RunningReplica],
+            pending: PendingRequest | None) -> list[list[RunningReplica]] | None:
+    """The one replica a call names as ``pinned_replica`` (a prefix pull asks the worker
+    that caches it), while it runs; None otherwise (the policy chooses)."""
+    if pending is None or not pending.args:
+        return None
+    pinned = getattr(pending.args[0], "pinned_replica", None)
+    chosen = [r for r in candidates if str(r.replica_id.unique_id) == pinned]
+    return [chosen] if pinned and chosen else None
+
+
 def _ranking_of(pending: PendingRequest | None) -> tuple[str, ...]:
     if pending is None or not pending.args:
         return ()
@@ -40,6 +51,9 @@ class RankedRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
         by_id = {str(r.replica_id.unique_id): r for r in candidate_replicas}
         ranked = [[by_id[rid]] for rid in _ranking_of(pending_request) if rid in by_id]
         named = {id(rank[0]) for rank in ranked}
@@ -56,6 +70,9 @@ class KVHeadroomRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
         headroom = {}
         for replica in candidate_replicas:
             load = WorkerLoad.from_stats(replica.routing_stats or {})
@@ -77,6 +94,9 @@ class RoundRobinRouter(FIFOMixin, RequestRouter):
                               ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        pinned = _pinned(candidate_replicas, pending_request)
+        if pinned is not None:
+            return pinned
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         self.turn += 1
         start = self.turn % len(ordered)

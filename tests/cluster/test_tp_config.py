@@ -64,19 +64,6 @@ def test_prefill_and_decode_replicas_of_several_ranks_are_served(
     colocated.check_parallelism(model)
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_kv_tiers_with_a_role_of_several_ranks_are_refused_naming_the_keys(role: str) -> None:
-    split = {f"roles__{role}__tensor_parallel_size": 2}
-    with pytest.raises(ConfigError, match=r"engine.host_kv_cache_gb: the host KV tier loads KV "
-                                          rf"into rank 0's cache only, which roles.{role}"
-                                          r".tensor_parallel_size 2"):
-        parse_config(config_with(engine__host_kv_cache_gb=1, **split))
-    with pytest.raises(ConfigError, match=rf"kv_store.enabled: .*roles.{role}"
-                                          r".tensor_parallel_size 2"):
-        parse_config(config_with(kv_store__enabled=True, **split))
-    parse_config(config_with(engine__host_kv_cache_gb=1, kv_store__enabled=True))
-
-
 def test_a_replica_of_several_ranks_is_a_placement_group_with_a_bundle_per_rank() -> None:
     cfg = parse_config(config_with(roles__decode={
         "replicas": 1, "tensor_parallel_size": 2, "node_labels": {"zone": "a"},
@@ -107,3 +94,16 @@ def test_a_local_ray_counts_the_logical_cpus_every_rank_needs_beyond_the_cores()
     assert local_num_cpus(cfg, 2) == 6  # 5.5 rounded up: Ray counts whole CPUs
     assert local_num_cpus(cfg, 5) == 6
     assert local_num_cpus(cfg, 6) is None  # enough cores: Ray counts them itself
+
+
+@pytest.mark.parametrize("tier", [{"engine__host_kv_cache_gb": 0.5},
+                                  {"kv_store__enabled": True},
+                                  {"engine__peer_kv_pull": True,
+                                   "router__prefill_policy": "round_robin"}])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_kv_tiers_are_refused_with_a_role_of_several_ranks(tier: dict, role: str) -> None:
+    parse_config(config_with(**tier))  # one rank per replica: the tier is fine
+    key = next(iter(tier)).replace("__", ".")
+    with pytest.raises(ConfigError, match=rf"{key}: the KV tiers load into a replica's rank 0 "
+                       rf"only, and roles.{role} has tensor_parallel_size above 1"):
+        parse_config(config_with(**{f"roles__{role}__tensor_parallel_size": 2}, **tier))

@@ -102,3 +102,20 @@ def test_headroom_ranks_free_kv_first_within_band() -> None:
     assert ranks[0] == ["empty", "nearly"]
     assert ranks[1] == ["half", "full"]
     assert rank_by_headroom(["new", "full"], headroom)[0] == ["new"]  # no stats yet: assume free
+
+
+def test_peer_prefixes_name_the_replicas_whose_device_or_host_holds_the_prompt() -> None:
+    placement = PrefixPlacement("token-0123456789abcdef")
+    feed = placement.feeds["prefill"]
+    prompt = list(range(80))
+    chain = hash_full_blocks(prompt, 16, "salt")
+    for rid, tiers in (("long", {Tier.DEVICE: chain[:4]}), ("short", {Tier.DEVICE: chain[:1]}),
+                       ("host-only", {Tier.HOST: chain[:3]}),
+                       ("split", {Tier.DEVICE: chain[:1], Tier.HOST: chain[1:2]}),
+                       ("gap", {Tier.HOST: chain[1:4]}), ("cold", {})):
+        feed.identities[rid] = WorkerIdentity(rid, "L", "salt", 16)
+        feed.index.reset(rid, "L", 0, tiers)
+    held = placement.peer_prefixes(
+        prompt, ["cold", "short", "long", "host-only", "split", "gap", "unknown"])
+    # Only a run from the first block counts, across the tiers; a run after a gap is nothing.
+    assert held == (("short", 1), ("long", 4), ("host-only", 3), ("split", 2))

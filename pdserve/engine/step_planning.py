@@ -1,0 +1,203 @@
+"""How the scheduler plans one step: decodes first, then whole short prompts, then chunks of
+running prompts, then more waiting prompts; preemption by recompute when blocks run out.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.scheduler_output import (
+    ScheduledChunk,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepPlan,
+)
+from pdserve.engine.tier_loads import TierLoads
+
+logger = logging.getLogger(__name__)
+
+
+class StepPlanning:
+    """The step-planning half of `Scheduler` (engine/scheduler.py), which owns the state
+    declared here; kept apart so the request lifecycle and the batching policy read alone."""
+
+    config: SchedulerConfig
+    kv: KVCacheManager
+    loads: TierLoads | None
+    _waiting: deque[Request]
+    _running: list[Request]
+    _head_blocked: bool
+    _num_awaiting_kv: int
+    num_admitted_tokens: int
+    num_prefix_hit_tokens: int
+    age: Callable[[Request], tuple[float, int]]
+
+    @property
+    def num_loading(self) -> int:
+        return 0 if self.loads is None else len(self.loads.loading_requests())
+
+    @property
+    def num_seated(self) -> int:
+        """Requests holding a batch seat: RUNNING, AWAITING_KV and LOADING_KV ones."""
+        return len(self._running) + self._num_awaiting_kv + self.num_loading
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step. No request waits behind another's prompt chunks for long:
+
+        1. every running request one token behind (decoding) gets it, oldest first;
+        2. waiting prompts that fit whole into what is left join, first come first served,
+           keeping half of it for step 3 while a running prompt is mid-prefill;
+        3. each running prompt mid-prefill gets its next chunk, oldest first;
+        4. more waiting prompts join, first come first served, the last one chunked.
+        """
+        plan = StepPlan(self.config.max_num_batched_tokens)
+        mid_prefill = self._schedule_decodes(plan)
+        # After a preemption the cache is full: admitting more would only thrash.
+        if not plan.preempted_ids:
+            self._admit_whole(plan, plan.budget - plan.budget // 2 if mid_prefill else plan.budget)
+        self._schedule_chunks(plan, mid_prefill)
+        if not plan.preempted_ids:
+            self._schedule_waiting(plan)
+        return plan.output(self.config.max_num_batched_tokens)
+
+    def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
+        num_new = min(request.num_tokens - num_computed, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if cap > 0 else num_new
+
+    def _make_chunk(self, request: Request, num_new_tokens: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        return ScheduledChunk(
+            request=request,
+            num_new_tokens=num_new_tokens,
+            start_position=start,
+            samples=start + num_new_tokens == request.num_tokens,
+        )
+
+    def _schedule_decodes(self, plan: StepPlan) -> list[Request]:
+        """Step 1; returns the running requests mid-prefill, oldest first, for step 3."""
+        mid_prefill: list[Request] = []
+        i = 0
+        while i < len(self._running) and plan.budget > 0:
+            request = self._running[i]
+            if request.num_tokens - request.num_computed_tokens > 1:
+                mid_prefill.append(request)
+            elif self._allocate(plan, request, 1):
+                plan.add(self._make_chunk(request, 1))
+            else:
+                return mid_prefill  # preempted itself: every younger request is gone too
+            i += 1
+        return mid_prefill
+
+    def _schedule_chunks(self, plan: StepPlan, mid_prefill: list[Request]) -> None:
+        """Step 3."""
+        for request in mid_prefill:
+            if plan.budget <= 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted meanwhile
+            num_new = self._chunk_size(request, request.num_computed_tokens, plan.budget)
+            if self._allocate(plan, request, num_new):
+                plan.add(self._make_chunk(request, num_new))
+
+    def _allocate(self, plan: StepPlan, request: Request, num_new: int) -> bool:
+        """Blocks for ``num_new`` more tokens of a running request, preempting the youngest
+        running requests not planned this step until they fit; False if that was itself."""
+        while self.kv.allocate_slots(request, num_new) is None:
+            victim = next(r for r in reversed(self._running) if r.request_id not in plan.planned)
+            self._running.remove(victim)
+            self._preempt(victim)
+            plan.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_whole(self, plan: StepPlan, limit: int) -> None:
+        """Step 2: waiting prompts whose uncomputed tokens fit whole into ``limit`` join, FCFS,
+        passing over longer ones (they keep their place for step 4)."""
+        if self._head_blocked:
+            return  # the head's turn: the blocks or seats these would take, it needs
+        cap = self.config.long_prefill_token_threshold or limit
+        i = 0
+        while i < len(self._waiting) and limit > 0 and self.num_seated < self.config.max_num_seqs:
+            request = self._waiting[i]
+            cached_ids, num_cached = self.kv.find_cached_prefix(request)
+            loading = self._start_load(request, cached_ids)
+            if loading is not None:
+                if not loading:
+                    return
+                del self._waiting[i]
+                continue
+            num_new = request.num_tokens - num_cached
+            if num_new > min(limit, cap):
+                i += 1  # long: it waits for step 4
+                continue
+            if not self._admit(plan, request, num_new, cached_ids, num_cached):
+                return
+            del self._waiting[i]
+            limit -= num_new
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Step 4: waiting requests join FCFS, the last one with the chunk that fits."""
+        # Strict FCFS on resources: while the head finds no seat or blocks, later requests
+        # do not overtake it, not even in step 2.
+        self._head_blocked = False
+        while self._waiting and plan.budget > 0:
+            request = self._waiting[0]
+            cached_ids, num_cached = self.kv.find_cached_prefix(request)
+            loading = (self._start_load(request, cached_ids)
+                       if self.num_seated < self.config.max_num_seqs else None)
+            if loading:
+                self._waiting.popleft()
+                continue
+            num_new = self._chunk_size(request, num_cached, plan.budget)
+            if (loading is False or self.num_seated >= self.config.max_num_seqs
+                    or not self._admit(plan, request, num_new, cached_ids, num_cached)):
+                self._head_blocked = True
+                return
+            self._waiting.popleft()
+
+    def _start_load(self, request: Request, cached_ids: list[int]) -> bool | None:
+        """Start loading the request's prefix from another tier when the cost model says so:
+        True (it is LOADING_KV now), False (a load was chosen but its blocks do not fit),
+        None (no load: compute)."""
+        if self.loads is None:
+            return None
+        plan = self.loads.plan(request, len(cached_ids))
+        if plan is None:
+            return None
+        return self.loads.start(request, cached_ids, plan)
+
+    def _admit(self, plan: StepPlan, request: Request, num_new: int, cached_ids: list[int],
+               num_cached: int) -> bool:
+        """Start a waiting request with a chunk of ``num_new`` tokens (the caller dequeues it);
+        False when its blocks do not fit (nothing changed)."""
+        if self.kv.allocate_slots(request, num_new, cached_ids) is None:
+            return False
+        request.num_computed_tokens = num_cached
+        self.num_admitted_tokens += request.num_tokens
+        self.num_prefix_hit_tokens += num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self._running, request, key=self.age)
+        plan.add(self._make_chunk(request, num_new))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self._waiting.appendleft(request)
+        logger.debug(
+            "preempted %s (preemption %d), %d KV blocks free",
+            request.request_id,
+            request.num_preemptions,
+            self.kv.num_free_blocks,
+        )
