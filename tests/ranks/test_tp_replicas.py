@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -20,6 +19,7 @@ from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from tests.support.processes import rank_pids, replica_pids
+from tests.support.streams import join_streams, start_streams
 from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
@@ -88,28 +88,12 @@ def test_a_killed_rank_fails_its_replica_cleanly_and_serve_replaces_it(
     wait_for(lambda: health(tp_app) == 200, 60, "the app to be healthy")
     [replica_pid] = replica_pids(APP, "decode")
     [rank_pid] = rank_pids()
-    events: dict[int, list[str]] = {i: [] for i in range(3)}
-    started = threading.Barrier(4)
-
-    def stream(i: int) -> None:
-        body = {"model": "tiny", "messages": conv(i), "max_tokens": 2000, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{tp_app}/v1/chat/completions", json=body,
-                          timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    events[i].append(line[6:])
-                    if len(events[i]) == 3:
-                        started.wait(60)
-
-    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
-    for t in threads:
-        t.start()
-    started.wait(60)
+    bodies = [{"model": "tiny", "messages": conv(i), "max_tokens": 2000, "temperature": 0,
+               "ignore_eos": True, "stream": True}
+              for i in range(3)]
+    events, threads = start_streams(tp_app, bodies)
     os.kill(rank_pid, signal.SIGKILL)
-    for t in threads:  # well within the 120 s request timeout: rank 0 does not hang
-        t.join(60)
-        assert not t.is_alive()
+    join_streams(threads)  # within the 120 s request timeout: nothing hangs
     for i in range(3):
         assert events[i][-1] == "[DONE]", events[i][-3:]
         error = json.loads(events[i][-2])["error"]
