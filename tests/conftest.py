@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Workers of the session's Ray inherit it: tests may arm fault points (`pdserve.faults`).
+os.environ.setdefault("PDSERVE_FAULT_POINTS", "1")
 
 
 @pytest.fixture(scope="session")

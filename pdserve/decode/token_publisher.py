@@ -147,7 +147,8 @@ class TokenPublisher:
                 (out.finish_reason or "stop") if out.finished else None,
                 out.num_output_tokens, out.num_cached_tokens if stream.report_cached else 0,
                 encode_logprobs(out.logprobs),
-                out.kv_reuse.to_wire() if stream.report_cached and out.kv_reuse else None])
+                out.kv_reuse.to_wire() if stream.report_cached and out.kv_reuse else None,
+                out.prev_token_id])
             if out.finished:
                 finished.append(stream)
         if not by_route:

@@ -51,10 +51,13 @@ class TokenSink:
 
 # One request's new output of one engine step, as it travels:
 # [request_id, token_ids, text, finish_reason | None, num_output_tokens, num_cached_tokens,
-#  logprobs | None, kv_reuse | None], logprobs as [[token_id, logprob, [[id, logprob], ...]],
-#  ...], kv_reuse as `KVReuse.to_wire` (a locally prefilled request's first entry only).
+#  logprobs | None, kv_reuse | None, prev_token_id], logprobs as [[token_id, logprob,
+#  [[id, logprob], ...]], ...], kv_reuse as `KVReuse.to_wire` (a locally prefilled request's
+#  first entry only), prev_token_id the output token the entry's tokens continue (-1: none).
+# num_output_tokens and prev_token_id let the ingress check that an entry continues exactly
+# the tokens its client has (router/token_plane.py `TokenSubscription`).
 Entry = list[Any]
-ENTRY_FIELDS = 8
+ENTRY_FIELDS = 9
 
 
 def encode_logprobs(logprobs: list[TokenLogprobs]) -> list[Any] | None:

@@ -28,9 +28,10 @@ from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.engine_outputs import ReceivedKVSlots
+from pdserve.engine.engine_outputs import ReceivedKVSlots, RequestOutput
 from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode
+from pdserve.faults import FaultPoints
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 from pdserve.handoff.kv_event_server import serve_engine_events
 from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
@@ -75,7 +76,10 @@ class DecodeWorker:
             if client is not None:
                 self.engine.tiers.attach_store(client)
         self.publisher = TokenPublisher(plane_token, MAX_UNREAD_TOKEN_BYTES)
-        self.async_engine = AsyncEngine(self.engine, step_sink=self.publisher)
+        self.faults = FaultPoints()
+        sink = _FaultingSink(self.publisher, self.faults) if self.faults.enabled \
+            else self.publisher
+        self.async_engine = AsyncEngine(self.engine, step_sink=sink)
         self.events = serve_engine_events(self.engine, plane_token, node_host())
         self.reserve_timeout_s = reserve_timeout_s
         self.transport: HandoffTransport | None = None
@@ -130,6 +134,7 @@ class DecodeWorker:
         ticket = await self.group.reserve(
             rid, slots.block_ids, len(request.prompt_token_ids) - slots.num_cached_tokens)
         yield KVTicket(ticket, slots.num_cached_tokens)
+        self.faults.hit("decode.awaiting_kv")
         try:
             fence = await self.group.wait_ready(rid)
         except HandoffError as exc:
@@ -137,6 +142,7 @@ class DecodeWorker:
             await self.async_engine.call(lambda: self.engine.abort(rid))
             yield HandoffFailed(str(exc), exc.code)
             return
+        self.faults.hit("decode.fence_verified")
         # Before the first step: the ingress should hear of it before the tokens that follow.
         yield KVArrived(time.monotonic() - start, fence.num_bytes)
         first = await self.async_engine.call(
@@ -165,6 +171,10 @@ class DecodeWorker:
     async def kv_stats(self) -> dict[str, Any]:
         """Block and queue counts (integrity-checked on the engine thread)."""
         return asdict(await self.async_engine.call(self.engine.kv_stats))
+
+    def arm_fault(self, name: str) -> None:
+        """Die at the next hit of fault point ``name`` (`pdserve.faults`; tests only)."""
+        self.faults.arm(name)
 
     def handoff_stats(self) -> dict[str, Any]:
         """The KV receiver's counters (pieces landed and drained; transfers by outcome)."""
@@ -200,3 +210,21 @@ class DecodeWorker:
             self.transport.stop()
         self.async_engine.shutdown()
         self.ranks.close()
+
+
+class _FaultingSink:
+    """The token publisher behind the `decode.decoding` fault point (worker processes with
+    fault points enabled only): dies before publishing a step in which a request has more
+    than two output tokens."""
+
+    def __init__(self, publisher: TokenPublisher, faults: FaultPoints) -> None:
+        self.publisher = publisher
+        self.faults = faults
+
+    def put_step(self, outputs: list[RequestOutput]) -> None:
+        if any(out.num_output_tokens > 2 for out in outputs):
+            self.faults.hit("decode.decoding")
+        self.publisher.put_step(outputs)
+
+    def fail_all(self, exc: BaseException) -> None:
+        self.publisher.fail_all(exc)

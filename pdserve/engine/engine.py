@@ -359,15 +359,18 @@ class LLMEngine:
         queue_s = 0.0
         if tracked is not None and tracked.first_scheduled_at is not None:
             queue_s = tracked.first_scheduled_at - tracked.added_at
+        num_output = len(request.output_token_ids)
+        before = num_output - len(new_ids)
         return RequestOutput(
             request_id=request.request_id,
+            prev_token_id=request.output_token_ids[before - 1] if before > 0 else -1,
             new_token_ids=new_ids,
             new_text=text,
             finished=finished,
             finish_reason=reason,
             num_prompt_tokens=len(request.prompt_token_ids),
             num_cached_tokens=request.num_cached_tokens,
-            num_output_tokens=len(request.output_token_ids),
+            num_output_tokens=num_output,
             logprobs=logprobs or [],
             queue_s=queue_s,
             kv_reuse=request.kv_reuse,

@@ -27,6 +27,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     queue_s: float = 0.0  # from add_request until the request's first chunk was scheduled
     kv_reuse: KVReuse | None = None  # how the prompt's prefix was reused (first admission)
+    # The output token before new_token_ids (-1: they start the output): a reader checks that
+    # the tokens continue the ones it has.
+    prev_token_id: int = -1
 
 
 @dataclass(frozen=True)

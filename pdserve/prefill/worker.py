@@ -23,6 +23,7 @@ from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode, RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.faults import FaultPoints
 from pdserve.handoff import (
     HandoffConfig,
     HandoffSender,
@@ -103,6 +104,7 @@ class PrefillWorker:
                                          for rank in range(1, self.engine.tp.size)]
         if self._remote:  # the other ranks learn their routes from the step plan
             self.engine.runner.attach = self._attach
+        self.faults = FaultPoints()
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
         self.drain_timeout_s = drain_timeout_s
@@ -110,6 +112,7 @@ class PrefillWorker:
 
     async def prefill(self, request: PrefillRequest) -> PrefillResult:
         rid = request.request_id
+        self.faults.hit("prefill.reserved")
         tickets = self._routes(request.ticket)
         first_block = first_block_to_send(request, tickets[0][1].num_tokens,
                                           self.engine.layout.block_size)
@@ -136,9 +139,13 @@ class PrefillWorker:
         finally:
             self.num_queued_tokens -= queued
             await self.async_engine.close_stream(rid, abort=False)
+        self.faults.hit("prefill.layers_sent")
         for transfer in transfers:
             self.sender.send_fence(transfer, first.new_token_ids[0])
         self._when_released(rid, transfers)
+        if self.faults.armed("prefill.fence_verified"):  # decode answers DONE once verified
+            await asyncio.wrap_future(all_ready([t.released for t in transfers]))
+            self.faults.hit("prefill.fence_verified")
         return PrefillResult(
             request_id=rid, first_token_id=first.new_token_ids[0], first_text=first.new_text,
             num_cached_tokens=first.num_cached_tokens,
@@ -198,6 +205,8 @@ class PrefillWorker:
             transfers.extend(started)
         if transfers:
             self.sender.send_layer(self.engine.kv_cache, layer, transfers)
+            if layer == self.engine.layout.num_layers // 2:
+                self.faults.hit("prefill.mid_layers")
 
     def _give_up(self, request_id: str) -> None:
         """Engine thread: the caller went away or prefill failed before the fence."""
@@ -247,6 +256,7 @@ class PrefillWorker:
             for result in results:
                 if not result.ok:
                     logger.warning("handoff of %s failed: %s", request_id, result.error)
+        self.faults.hit("prefill.releasing")
         self.async_engine.submit(lambda: self._forget(request_id))
 
     def _forget(self, request_id: str) -> None:
@@ -261,6 +271,10 @@ class PrefillWorker:
 
     async def kv_stats(self) -> dict[str, Any]:
         return asdict(await self.async_engine.call(self.engine.kv_stats))
+
+    def arm_fault(self, name: str) -> None:
+        """Die at the next hit of fault point ``name`` (`pdserve.faults`; tests only)."""
+        self.faults.arm(name)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """This replica's load (`WorkerLoad`), which Serve asks for on the role's timer and

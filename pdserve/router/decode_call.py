@@ -41,6 +41,8 @@ class DecodeCall:
         self.trace = trace
         self.request_id = request.request_id
         self.sub = plane.subscribe(request.request_id, every_delta=stream)
+        if request.local_prefill:  # else the prefill's first token, once it is known
+            self.sub.continue_from(request.resume_output_ids)
         self.call = decode.options(stream=True).generate.remote(request)
         self._follower: asyncio.Task[None] | None = None
 

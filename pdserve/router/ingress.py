@@ -91,11 +91,12 @@ class Ingress:
         if decode is not None:
             handles = {"decode": decode} | ({"prefill": prefill} if prefill is not None else {})
             self.roles = RoleMonitor(handles, self._replica_counts, on_loads=self._follow_loads)
-        self.plane = TokenPlane(settings.plane_token, node_ip())
+        self.metrics = PdserveMetrics()
+        self.plane = TokenPlane(settings.plane_token, node_ip(),
+                                on_inconsistent=self.metrics.observe_inconsistent_output)
         self.pipeline = GenerationPipeline(decode, prefill, settings.pipeline, self.plane,
                                            self.roles, self.placement)
         self.admission = AdmissionGate(settings.max_in_flight_requests)
-        self.metrics = PdserveMetrics()
         self.stalls = StallWatch(self.plane.subscription, settings.stalls)
         # Deadlines of the generations in flight; a drain pulls them in.
         self._deadlines: set[asyncio.Timeout] = set()

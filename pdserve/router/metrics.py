@@ -94,6 +94,10 @@ class PdserveMetrics:
                                 "them.", ["reason"], registry=r)
         for reason in REFUSAL_REASONS:
             self._refused.labels(reason=reason)
+        self._inconsistent = Counter(
+            "pdserve:inconsistent_outputs", "Generations stopped with an error because a "
+            "worker's tokens did not continue the ones their client had (never sent as text).",
+            registry=r)
         self._in_flight = Gauge("pdserve:num_requests_in_flight", "Requests this ingress "
                                 "admitted that have not finished (n choices count n), against "
                                 "router.max_in_flight_requests.", registry=r)
@@ -170,6 +174,9 @@ class PdserveMetrics:
             self._load_choices.labels(tier=tier, choice=timings.kv_load_choice).inc()
         if timings.kv_load_failure is not None:
             self._load_failures.labels(tier=tier, reason=timings.kv_load_failure).inc()
+
+    def observe_inconsistent_output(self, _error: Exception | None = None) -> None:
+        self._inconsistent.inc()
 
     def observe_refusal(self, reason: str) -> None:
         self._refused.labels(reason=reason).inc()

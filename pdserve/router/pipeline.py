@@ -24,7 +24,7 @@ from pdserve.router.prefill_load import LocalPrefillPolicy, PrefillLoad
 from pdserve.router.race import Overtaken, unless
 from pdserve.router.roles import RoleMonitor, replica_died
 from pdserve.router.timings import RequestTrace, reuse_fields
-from pdserve.router.token_plane import DecodeGoneError, TokenPlane
+from pdserve.router.token_plane import DecodeGoneError, TokenPlane, retry_id
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +146,7 @@ class GenerationPipeline:
                 fallback = (why.path, ())
             else:
                 first_logprobs = [result.first_logprobs] if result.first_logprobs else []
+                call.sub.continue_from((result.first_token_id,))
                 yield GenerationDelta(result.first_text, [result.first_token_id],
                                       num_cached_tokens=result.num_cached_tokens,
                                       logprobs=first_logprobs)
@@ -158,8 +159,8 @@ class GenerationPipeline:
                     fallback = ("recompute_fallback", (result.first_token_id,))
         if fallback is not None:  # the decode call above is over and its stream closed
             trace.update(path=fallback[0])
-            async with aclosing(self._on_decode(request_id, prompt_ids, params, fallback[1],
-                                                trace, stream)) as deltas:
+            async with aclosing(self._on_decode(retry_id(request_id), prompt_ids, params,
+                                                fallback[1], trace, stream)) as deltas:
                 async for delta in deltas:
                     yield delta
 

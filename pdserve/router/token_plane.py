@@ -12,6 +12,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.decode.token_wire import (
@@ -37,6 +38,26 @@ class DecodeGoneError(ServiceUnavailableError):
                          kind="decode_gone")
 
 
+def retry_id(request_id: str) -> str:
+    """The workers' and the token plane's id for a generation's recompute on decode: the
+    first attempt's request may run on the decode worker until its cancel lands, and its
+    tokens must find no reader."""
+    return f"{request_id}.retry"
+
+
+class InconsistentOutputError(ServiceUnavailableError):
+    """Tokens for a request that do not continue the ones its client has (another attempt's,
+    or from a worker whose KV came from elsewhere): the request stops before they become
+    text."""
+
+    def __init__(self, request_id: str, detail: str) -> None:
+        super().__init__("the worker's output for this request did not continue the tokens "
+                         "already returned, so it was stopped; retry it",
+                         kind="inconsistent_output")
+        self.request_id = request_id
+        self.detail = detail
+
+
 @dataclass
 class TokenPlaneStats:
     num_connections: int = 0
@@ -46,6 +67,7 @@ class TokenPlaneStats:
     num_entries: int = 0
     num_unknown_entries: int = 0  # for a request this ingress is not streaming (any more)
     num_foreign_entries: int = 0  # for a request another connection streams
+    num_inconsistent_generations: int = 0  # stopped: an entry did not continue their tokens
 
 
 class TokenSubscription:
@@ -53,17 +75,30 @@ class TokenSubscription:
     arrival (a stream); otherwise only for the last one or an error (a whole answer)."""
 
     __slots__ = ("request_id", "every_delta", "connection", "last_taken_at", "finished",
-                 "_entries", "_waiter", "_error")
+                 "num_tokens", "last_token_id", "on_inconsistent", "_entries", "_waiter",
+                 "_error")
 
-    def __init__(self, request_id: str, every_delta: bool) -> None:
+    def __init__(self, request_id: str, every_delta: bool,
+                 on_inconsistent: Callable[[InconsistentOutputError], None] | None = None
+                 ) -> None:
         self.request_id = request_id
         self.every_delta = every_delta
         self.connection: int | None = None  # bound to the first connection that sends for it
         self.last_taken_at = time.monotonic()
         self.finished = False
+        # The output tokens the client has (None: not known yet) and the last of them (-1:
+        # none): every entry read must continue exactly these (`continue_from`).
+        self.num_tokens: int | None = None
+        self.last_token_id = -1
+        self.on_inconsistent = on_inconsistent
         self._entries: list[Entry] = []
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
+
+    def continue_from(self, token_ids: list[int] | tuple[int, ...]) -> None:
+        """The output tokens the client has before this subscription's first entry."""
+        self.num_tokens = len(token_ids)
+        self.last_token_id = token_ids[-1] if token_ids else -1
 
     def push(self, entry: Entry) -> None:
         self._entries.append(entry)
@@ -104,7 +139,28 @@ class TokenSubscription:
                 self._waiter = None
         entries, self._entries = self._entries, []
         self.last_taken_at = time.monotonic()
+        self._check(entries)
         return merge_entries(entries)
+
+    def _check(self, entries: list[Entry]) -> None:
+        """Each entry continues the tokens before it: its count starts where they end and
+        it names their last token; anything else never becomes text."""
+        if self.num_tokens is None:
+            raise RuntimeError("continue_from() must come before the first entry is read")
+        for entry in entries:
+            tokens, num_after, prev = entry[1], entry[4], entry[8]
+            start = num_after - len(tokens)
+            if start != self.num_tokens or (tokens and start > 0 and prev != self.last_token_id):
+                detail = (f"an entry of tokens {start}..{num_after} after token {prev} where "
+                          f"the client has {self.num_tokens} ending in {self.last_token_id}")
+                error = InconsistentOutputError(self.request_id, detail)
+                self._error, self.finished = error, False
+                if self.on_inconsistent is not None:
+                    self.on_inconsistent(error)
+                raise error
+            self.num_tokens = num_after
+            if tokens:
+                self.last_token_id = tokens[-1]
 
 
 # Per entry, per token and per logprob (a token's or an alternative's): what they take on the
@@ -136,7 +192,12 @@ def merge_entries(entries: list[Entry]) -> GenerationDelta:
 class TokenPlane:
     """Listens on ``host`` (an OS-chosen port) for decode replicas holding ``token``."""
 
-    def __init__(self, token: str, host: str) -> None:
+    def __init__(self, token: str, host: str,
+                 on_inconsistent: Callable[[InconsistentOutputError], None] | None = None
+                 ) -> None:
+        """``on_inconsistent``: told of each generation stopped because an entry did not
+        continue its tokens (the ingress counts them in its metrics)."""
+        self._on_inconsistent = on_inconsistent
         self._token = token
         self._host = host
         self._server: asyncio.Server | None = None
@@ -163,9 +224,16 @@ class TokenPlane:
         """Before the request is sent anywhere: its first entries may arrive at once."""
         if request_id in self._subs:
             raise RuntimeError(f"request {request_id!r} already streams on this ingress")
-        sub = TokenSubscription(request_id, every_delta)
+        sub = TokenSubscription(request_id, every_delta, self._inconsistent)
         self._subs[request_id] = sub
         return sub
+
+    def _inconsistent(self, error: InconsistentOutputError) -> None:
+        self.stats.num_inconsistent_generations += 1
+        logger.error("stopped %s: the decode worker's tokens did not continue the ones its "
+                     "client has (%s)", error.request_id, error.detail)
+        if self._on_inconsistent is not None:
+            self._on_inconsistent(error)
 
     def unsubscribe(self, request_id: str) -> None:
         sub = self._subs.pop(request_id, None)
@@ -176,7 +244,8 @@ class TokenPlane:
         return list(self._subs.values())
 
     def subscription(self, request_id: str) -> TokenSubscription | None:
-        return self._subs.get(request_id)
+        """The generation's subscription, its recompute's (`retry_id`) once it has one."""
+        return self._subs.get(retry_id(request_id)) or self._subs.get(request_id)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -22,7 +22,7 @@ from pdserve.engine.sampler import TokenLogprobs
 from pdserve.handoff.plane_link import HEADER_BYTES
 
 KEY = bytes(range(32))
-ENTRY = ["req-1", [5, 6], "héllo", None, 2, 0, None, None]
+ENTRY = ["req-1", [5, 6], "héllo", None, 2, 0, None, None, -1]
 
 
 def read_all(data: bytes, reader: FrameReader) -> list[list]:
@@ -42,7 +42,7 @@ def read_all(data: bytes, reader: FrameReader) -> list[list]:
 
 def test_frames_round_trip_in_order() -> None:
     writer = FrameWriter(KEY)
-    last = ["req-2", [7], "!", "length", 3, 16, None, [16, 0, None, None, None]]
+    last = ["req-2", [7], "!", "length", 3, 16, None, [16, 0, None, None, None], 6]
     data = writer.frame([ENTRY]) + writer.frame([ENTRY, last])
     assert read_all(data, FrameReader(KEY)) == [[ENTRY], [ENTRY, last]]
 

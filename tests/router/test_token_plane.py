@@ -14,16 +14,37 @@ import pytest
 from pdserve.decode.token_publisher import IngressGoneError, TokenPublisher
 from pdserve.decode.token_wire import FrameWriter, decode_handshake
 from pdserve.engine.engine_outputs import RequestOutput
-from pdserve.router.token_plane import DecodeGoneError, TokenPlane
+from pdserve.router.token_plane import (
+    DecodeGoneError,
+    InconsistentOutputError,
+    TokenPlane,
+    TokenSubscription,
+)
 
 TOKEN = "cluster-token-0123456789"
 BIG = 64 * 2**20
 
 
+# Per request: output tokens published so far and the last of them (cleared by `run`).
+_published: dict[str, tuple[int, int]] = {}
+
+
 def out(rid: str, ids: list[int], finished: bool = False) -> RequestOutput:
+    """The next output of ``rid``, continuing what was published for it before."""
+    count, last = _published.get(rid, (0, -1))
+    _published[rid] = (count + len(ids), ids[-1] if ids else last)
     return RequestOutput(rid, ids, "".join(f"<{i}>" for i in ids), finished,
                          "length" if finished else None, num_prompt_tokens=4,
-                         num_cached_tokens=0, num_output_tokens=ids[-1] if ids else 0)
+                         num_cached_tokens=0, num_output_tokens=count + len(ids),
+                         prev_token_id=last)
+
+
+def subscribe(plane: TokenPlane, rid: str, every_delta: bool = True,
+              after: tuple[int, ...] = ()) -> TokenSubscription:
+    """A subscription whose client has the output tokens ``after``."""
+    sub = plane.subscribe(rid, every_delta=every_delta)
+    sub.continue_from(after)
+    return sub
 
 
 async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
@@ -35,6 +56,7 @@ async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.
 def run(test: Callable[[TokenPlane, TokenPublisher], Awaitable[Any]],
         max_buffered: int = BIG) -> Any:
     async def main() -> Any:
+        _published.clear()
         plane = TokenPlane(TOKEN, "127.0.0.1")
         publisher = TokenPublisher(TOKEN, max_buffered)
         try:
@@ -49,7 +71,7 @@ def run(test: Callable[[TokenPlane, TokenPublisher], Awaitable[Any]],
 def test_one_frame_per_step_fans_out_to_every_stream() -> None:
     async def test(plane: TokenPlane, publisher: TokenPublisher) -> None:
         sink = await plane.sink()
-        subs = {rid: plane.subscribe(rid, every_delta=True) for rid in ("a", "b", "c")}
+        subs = {rid: subscribe(plane, rid, True) for rid in ("a", "b", "c")}
         dones = {rid: await publisher.open(rid, sink, report_cached=True) for rid in subs}
         publisher.publish([out("a", [1]), out("b", [2]), out("c", [3])])
         publisher.publish([out("a", [4], finished=True), out("b", [5])])
@@ -69,8 +91,8 @@ def test_one_frame_per_step_fans_out_to_every_stream() -> None:
 def test_a_lagging_reader_gets_everything_merged_and_a_whole_answer_only_its_end() -> None:
     async def test(plane: TokenPlane, publisher: TokenPublisher) -> None:
         sink = await plane.sink()
-        stream = plane.subscribe("s", every_delta=True)
-        whole = plane.subscribe("w", every_delta=False)
+        stream = subscribe(plane, "s", True)
+        whole = subscribe(plane, "w", False)
         for rid in ("s", "w"):
             await publisher.open(rid, sink, report_cached=False)
         for step in range(1, 6):
@@ -91,7 +113,7 @@ def test_a_lagging_reader_gets_everything_merged_and_a_whole_answer_only_its_end
 def test_entries_for_requests_the_ingress_does_not_stream_are_dropped() -> None:
     async def test(plane: TokenPlane, publisher: TokenPublisher) -> None:
         sink = await plane.sink()
-        sub = plane.subscribe("mine", every_delta=True)
+        sub = subscribe(plane, "mine", True)
         await publisher.open("mine", sink, report_cached=False)
         await publisher.open("gone", sink, report_cached=False)  # unsubscribed at the ingress
         publisher.publish([out("gone", [9]), out("mine", [1])])
@@ -105,12 +127,12 @@ def test_a_request_is_bound_to_the_connection_that_streams_it() -> None:
     async def test(plane: TokenPlane, publisher: TokenPublisher) -> None:
         sink = await plane.sink()
         other = TokenPublisher(TOKEN, BIG)
-        sub = plane.subscribe("r", every_delta=True)
+        sub = subscribe(plane, "r", True)
         await publisher.open("r", sink, report_cached=False)
         await other.open("r", sink, report_cached=False)
         publisher.publish([out("r", [1])])
         assert (await sub.next()).token_ids == [1]
-        other.publish([out("r", [666])])
+        other.publish([RequestOutput("r", [666], "evil", False, None, 4, 0, 2, prev_token_id=1)])
         publisher.publish([out("r", [2])])
         assert (await sub.next()).token_ids == [2]
         assert plane.stats.num_foreign_entries == 1
@@ -122,7 +144,7 @@ def test_a_request_is_bound_to_the_connection_that_streams_it() -> None:
 def test_a_decode_replica_that_goes_away_ends_its_streams_after_their_tokens() -> None:
     async def test(plane: TokenPlane, publisher: TokenPublisher) -> None:
         sink = await plane.sink()
-        sub = plane.subscribe("r", every_delta=True)
+        sub = subscribe(plane, "r", True)
         await publisher.open("r", sink, report_cached=False)
         publisher.publish([out("r", [1, 2])])
         await until(lambda: plane.stats.num_frames == 1, "the frame")
@@ -137,7 +159,7 @@ def test_a_decode_replica_that_goes_away_ends_its_streams_after_their_tokens() -
 def test_an_ingress_that_goes_away_ends_the_requests_streaming_to_it() -> None:
     async def test(plane: TokenPlane, publisher: TokenPublisher) -> None:
         sink = await plane.sink()
-        plane.subscribe("r", every_delta=True)
+        subscribe(plane, "r", True)
         done = await publisher.open("r", sink, report_cached=False)
         await plane.close()
         with pytest.raises(IngressGoneError):
@@ -188,15 +210,59 @@ def test_unauthenticated_and_forged_connections_are_refused() -> None:
         await until(lambda: plane.stats.num_refused_connections == 2, "the second refusal")
         # The right token, then a frame signed with another key: the connection is dropped
         # and the request bound to it ends.
-        sub = plane.subscribe("r", every_delta=True)
+        sub = subscribe(plane, "r", True)
         reader, writer = await asyncio.open_connection(sink.host, sink.port)
         key = await decode_handshake(reader, writer, TOKEN)
-        writer.write(FrameWriter(key).frame([["r", [1], "a", None, 1, 0, None, None]]))
-        writer.write(FrameWriter(bytes(32)).frame([["r", [666], "evil", None, 2, 0, None, None]]))
+        writer.write(FrameWriter(key).frame([["r", [1], "a", None, 1, 0, None, None, -1]]))
+        writer.write(FrameWriter(bytes(32)).frame([["r", [666], "evil", None, 2, 0, None, None, 1]]))
         await until(lambda: plane.stats.num_broken_connections == 1, "the dropped connection")
         assert (await sub.next()).token_ids == [1]
         with pytest.raises(DecodeGoneError):
             await sub.next()
         writer.close()
+
+    run(test)
+
+
+def test_tokens_that_do_not_continue_the_clients_are_never_read() -> None:
+    """A recompute's subscription fed a stale entry of the attempt before it (the decode
+    worker had not yet stopped it): the reader gets an error, not text; counted."""
+    async def test(plane: TokenPlane, publisher: TokenPublisher) -> None:
+        sink = await plane.sink()
+        stale = subscribe(plane, "stale", after=())  # a fresh recompute: the client has none
+        await publisher.open("stale", sink, report_cached=False)
+        publisher.publish([RequestOutput("stale", [17], "x", False, None, 4, 0,
+                                         num_output_tokens=16, prev_token_id=3)])
+        with pytest.raises(InconsistentOutputError, match="did not continue"):
+            await stale.next()
+        # The first token came from prefill (42); decode continues from another one (7).
+        other = subscribe(plane, "other", after=(42,))
+        await publisher.open("other", sink, report_cached=False)
+        publisher.publish([RequestOutput("other", [5], "y", True, "stop", 4, 0,
+                                         num_output_tokens=2, prev_token_id=7)])
+        await until(lambda: other.num_pending == 1, "the entry")
+        with pytest.raises(InconsistentOutputError):
+            await other.next()
+        assert not other.finished  # its call is cancelled, not waited for
+        # Continuing the client's first token is read as usual.
+        good = subscribe(plane, "good", after=(42,))
+        await publisher.open("good", sink, report_cached=False)
+        publisher.publish([RequestOutput("good", [5], "y", False, None, 4, 0,
+                                         num_output_tokens=2, prev_token_id=42)])
+        assert (await good.next()).token_ids == [5]
+        assert plane.stats.num_inconsistent_generations == 2
+
+    run(test)
+
+
+def test_resumed_tokens_set_where_a_recompute_continues() -> None:
+    async def test(plane: TokenPlane, publisher: TokenPublisher) -> None:
+        sink = await plane.sink()
+        sub = subscribe(plane, "r", after=(8, 9))
+        await publisher.open("r", sink, report_cached=False)
+        publisher.publish([RequestOutput("r", [10, 11], "z", False, None, 4, 0,
+                                         num_output_tokens=4, prev_token_id=9)])
+        assert (await sub.next()).token_ids == [10, 11]
+        assert (sub.num_tokens, sub.last_token_id) == (4, 11)
 
     run(test)
