@@ -214,7 +214,8 @@ def test_unauthenticated_and_forged_connections_are_refused() -> None:
         reader, writer = await asyncio.open_connection(sink.host, sink.port)
         key = await decode_handshake(reader, writer, TOKEN)
         writer.write(FrameWriter(key).frame([["r", [1], "a", None, 1, 0, None, None, -1]]))
-        writer.write(FrameWriter(bytes(32)).frame([["r", [666], "evil", None, 2, 0, None, None, 1]]))
+        forged = [["r", [666], "evil", None, 2, 0, None, None, 1]]
+        writer.write(FrameWriter(bytes(32)).frame(forged))
         await until(lambda: plane.stats.num_broken_connections == 1, "the dropped connection")
         assert (await sub.next()).token_ids == [1]
         with pytest.raises(DecodeGoneError):
