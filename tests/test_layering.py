@@ -2,7 +2,7 @@
 under TYPE_CHECKING count too): no cycle, and no folder importing one above it.
 
 Layers, bottom up (docs/design.md): engine, handoff, {prefill, decode, ranks}, router, cluster,
-bench, the command line. `log` and `replica` are leaves every layer may use.
+bench, the command line. `log`, `replica` and `faults` are leaves every layer may use.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pdserve
 PACKAGE = Path(pdserve.__file__).resolve().parent
 LAYERS = {"engine": 0, "handoff": 1, "prefill": 2, "decode": 2, "ranks": 2, "router": 3,
           "cluster": 4, "bench": 5, "cli": 6}
-LEAVES = {"log", "replica"}
+LEAVES = {"log", "replica", "faults"}
 
 
 def _modules() -> dict[str, Path]:
