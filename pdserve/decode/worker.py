@@ -29,6 +29,7 @@ from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import ReceivedKVSlots, RequestOutput
+from pdserve.engine.errors import InconsistentKVError
 from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode
 from pdserve.faults import FaultPoints
@@ -145,8 +146,14 @@ class DecodeWorker:
         self.faults.hit("decode.fence_verified")
         # Before the first step: the ingress should hear of it before the tokens that follow.
         yield KVArrived(time.monotonic() - start, fence.num_bytes)
-        first = await self.async_engine.call(
-            lambda: self.engine.activate_received(rid, fence.first_token_id))
+        try:
+            first = await self.async_engine.call(
+                lambda: self.engine.activate_received(rid, fence.first_token_id))
+        except InconsistentKVError as exc:  # nothing sampled from it: recompute instead
+            logger.error("%s; recomputing it", exc)
+            await self.async_engine.call(lambda: self.engine.abort(rid))
+            yield HandoffFailed(str(exc), "inconsistent")
+            return
         if first.finished:  # the prefill's token ended it: no step will report the end
             # The prefill worker showed that token already; only the end is news.
             self.publisher.publish([dataclasses.replace(first, new_token_ids=[], logprobs=[])])

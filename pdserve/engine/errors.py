@@ -35,3 +35,9 @@ class PromptTooLongError(InvalidRequestError):
 
 class OutOfKVBlocksError(EngineError):
     """A request can never fit: it needs more KV blocks than the whole cache has."""
+
+
+class InconsistentKVError(EngineError):
+    """A request's KV and tokens do not come from one computation (blocks that do not cover
+    its prompt, output tokens before its first): it stops with this error instead of
+    sampling from them."""

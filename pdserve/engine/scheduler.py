@@ -12,7 +12,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.errors import InconsistentKVError, InvalidRequestError
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.request_checks import check_new_request, stop_status
@@ -144,6 +144,9 @@ class Scheduler(StepPlanning):
         The prompt counts as computed and ``first_token_id`` (sampled by prefill) becomes
         output token 1. If it already ends the request (a stop token, max_tokens=1, the
         length limit) the request finishes here and its blocks are freed; check its status.
+        Raises `InconsistentKVError`, changing nothing, unless the request's blocks cover
+        exactly its prompt and it has no output yet: its KV and tokens would not be one
+        computation's.
         """
         request = self._requests.get(request_id)
         if request is None or request.status is not RequestStatus.AWAITING_KV:
@@ -151,6 +154,13 @@ class Scheduler(StepPlanning):
             raise ValueError(
                 f"activate_received({request_id!r}): request is {state}, not AWAITING_KV"
             )
+        num_blocks = len(self.kv.block_ids(request_id))
+        if request.output_token_ids or num_blocks != self.kv.num_blocks_for(
+                request.num_prompt_tokens):
+            raise InconsistentKVError(
+                f"request {request_id} cannot continue from received KV: it holds {num_blocks} "
+                f"blocks for {request.num_prompt_tokens} prompt tokens and already has "
+                f"{len(request.output_token_ids)} output tokens")
         self._num_awaiting_kv -= 1
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_full_blocks(request)

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.errors import InconsistentKVError, InvalidRequestError
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.request import RequestMode
 from pdserve.engine.sampling_params import SamplingParams
@@ -208,3 +208,27 @@ def test_a_first_token_that_ends_the_request_finishes_it_on_activation(
     assert not decode.has_unfinished_requests()
     stats = decode.kv_stats()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+def test_received_kv_that_is_not_one_computations_is_refused_before_any_sampling(
+        loaded, tiny_checkpoints) -> None:
+    """Output tokens before the first, or blocks that do not cover the prompt: activation
+    raises and changes nothing; the abort that follows frees every block."""
+    decode = engine(loaded, tiny_checkpoints["qwen2"])
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = list(range(10, 30))
+    for rid in ("out", "blocks"):
+        assert decode.reserve_for_received_kv(rid, prompt, params) is not None
+        request = decode.scheduler.get_request(rid)
+        table = decode.kv_manager._tables[rid].block_ids  # a fault no public call can make
+        lost = table.pop() if rid == "blocks" else None
+        if rid == "out":
+            request.output_token_ids.append(5)
+        with pytest.raises(InconsistentKVError, match=rid):
+            decode.activate_received(rid, 7)
+        assert decode.scheduler.num_awaiting_kv == 1 and request.num_computed_tokens == 0
+        if lost is not None:
+            table.append(lost)
+        decode.abort(rid)
+    stats = decode.kv_stats()
+    assert stats.num_free_blocks == stats.num_blocks and stats.num_awaiting_kv == 0
