@@ -22,9 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # Dense bf16 tensor-core FLOP/s and HBM bytes/s from the vendors' data sheets, by name part.
 PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
          "A10G": (70e12, 0.6e12), "L40S": (362e12, 0.864e12), "L4": (121e12, 0.3e12)}
-# Llama-3-8B's shape (make-model size flags).
+# Llama-3-8B's shape (make-model size flags), with room for the 8,192-token prompt and its
+# answer: the preset's 4,096 positions would refuse the prompt.
 LLAMA3_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-             "num_layers": 32, "num_heads": 32, "num_kv_heads": 8}
+             "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
+             "max_position_embeddings": 8192 + 64}
 
 
 def line(name: str, value: float, bound: float, unit: str) -> None:
