@@ -90,3 +90,16 @@ def test_two_processes_on_one_gpu_move_cuda_kv_exactly_without_host_copies() -> 
             sender.call("blocks_digest", block_ids=src)
         assert sender.call("host_copies") == 0  # no CUDA piece went through host memory
         assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
+
+
+def test_a_new_staging_buffer_does_not_wait_for_kernels_queued_on_the_device() -> None:
+    """The prefill's layer hook acquires staging on the engine thread: a fresh buffer must come
+    back while the model's kernels still run."""
+    from pdserve.handoff.staging import StagingPool
+
+    pool = StagingPool(64 << 20, "cuda")
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of spinning on the current stream
+    buffer = pool.try_acquire(8 << 20)
+    assert buffer is not None and buffer.is_cuda
+    assert not torch.cuda.current_stream().query(), "the acquire waited for the queued kernel"
+    torch.cuda.synchronize()
