@@ -67,8 +67,9 @@ class ModelSection(Section):
     cache_dir: str = Field(
         "~/.cache/pdserve/models",
         description="Where generated checkpoints are written and reused.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weight and KV cache dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and KV cache dtype. auto: bfloat16 on a CUDA device of "
+        "compute capability 8.0 or newer (float16 before it), float32 on CPU.")
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + output in tokens; default: the checkpoint's "
         "max_position_embeddings.")

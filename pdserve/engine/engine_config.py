@@ -17,7 +17,7 @@ from pdserve.engine.kv_layout import DTYPE_BY_NAME
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model_path: str
-    dtype: str  # a DTYPE_BY_NAME key
+    dtype: str  # a DTYPE_BY_NAME key, or "auto" (`auto_dtype`: chosen by the device)
     device: str  # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"
     block_size: int
     # Blocks in the cache; None sizes it from kv_cache_memory_gb (`kv_cache.num_kv_blocks_for`).
@@ -49,11 +49,18 @@ class EngineConfig:
     # Core sets the worker claims one of and binds to (cpu_affinity.apply_cpu_settings).
     cpu_affinity: CpuAffinity | None
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPE_BY_NAME[self.dtype]
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        return DTYPE_BY_NAME[auto_dtype(device) if self.dtype == "auto" else self.dtype]
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def auto_dtype(device: torch.device) -> str:
+    """model.dtype auto: half precision where the device computes it fast (fp32 on a GPU means
+    fp32 weights and KV, IEEE dots in the Triton kernel and no flash-attn), float32 on CPU."""
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.get_device_capability(device) >= (8, 0) else "float16"
