@@ -143,8 +143,11 @@ class PdserveConfig(Section):
     def to_engine_config(self, model_path: str) -> EngineConfig:
         """The engine settings of one worker, given the (resolved or generated) checkpoint."""
         staging = self.staging_bytes(model_path) if self.mode == "disaggregated" else 0
+        # Fractional GPUs are refused in disaggregated mode: only colocated replicas share one.
+        gpus = self.role_configs()["decode"].resources.num_gpus
+        share = gpus if self.mode == "colocated" and 0 < gpus < 1 else 1.0
         return self.engine.to_engine_config(self.model, model_path, staging,
-                                            self._cpu_affinity())
+                                            self._cpu_affinity(), device_share=share)
 
     def check_parallelism(self, model: ModelConfig) -> None:
         """Raise `ConfigError` for a role's tensor_parallel_size that ``model`` cannot be split

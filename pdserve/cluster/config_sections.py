@@ -168,9 +168,10 @@ class EngineSection(Section):
         return self
 
     def to_engine_config(self, model: ModelSection, model_path: str, handoff_staging_bytes: int,
-                         cpu_affinity: CpuAffinity | None = None) -> EngineConfig:
-        """One worker's engine settings, given the (resolved or generated) checkpoint and the
-        device memory its handoff stages KV in (0: none)."""
+                         cpu_affinity: CpuAffinity | None = None,
+                         device_share: float = 1.0) -> EngineConfig:
+        """One worker's engine settings, given the (resolved or generated) checkpoint, the
+        device memory its handoff stages KV in (0: none) and the share of its GPU it owns."""
         from pdserve.engine.engine_config import EngineConfig  # imports torch: only when wiring
 
         sized = self.num_kv_blocks is not None or self.kv_cache_memory_gb is not None
@@ -179,7 +180,7 @@ class EngineSection(Section):
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_gb=self.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB,
             gpu_memory_utilization=None if sized else self.gpu_memory_utilization,
-            handoff_staging_bytes=handoff_staging_bytes,
+            device_share=device_share, handoff_staging_bytes=handoff_staging_bytes,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, max_model_len=model.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,

@@ -26,6 +26,9 @@ class EngineConfig:
     # On CUDA: the fraction of the device's memory the worker may use, the KV cache taking what
     # is left of it (`memory_profile.plan_kv_cache`); None: the size above, on every device.
     gpu_memory_utilization: float | None
+    # The fraction of its device this worker owns: colocated replicas with fractional GPUs
+    # share one, each sizing its KV from its share (`kv_sizing.kv_budget_from_memory`).
+    device_share: float = 1.0
     # Device memory the worker's KV handoff stages pieces in, kept out of a measured KV cache
     # (0: a worker without a handoff).
     handoff_staging_bytes: int

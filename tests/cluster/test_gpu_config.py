@@ -96,3 +96,13 @@ def test_dtype_auto_is_half_precision_on_cuda_and_float32_on_cpu(
     assert on_gpu.to_engine_config(path).handoff_staging_bytes == max(
         MIN_STAGING_BYTES, per_token * 4096)
     assert parse_config(config_with()).kv_dtype_name() == "float32"
+
+
+def test_colocated_fractional_gpus_become_the_engine_share() -> None:
+    colocated = parse_config(config_with(mode="colocated", roles__prefill=None,
+                                         roles__decode__resources__num_gpus=0.5,
+                                         handoff__staging_buffer_mb=None))
+    assert colocated.to_engine_config("/m").device_share == 0.5
+    whole = parse_config(config_with(roles__decode__resources__num_gpus=1,
+                                     handoff__staging_buffer_mb=1))
+    assert whole.to_engine_config("/m").device_share == 1.0
