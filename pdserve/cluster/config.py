@@ -143,9 +143,7 @@ class PdserveConfig(Section):
     def to_engine_config(self, model_path: str) -> EngineConfig:
         """The engine settings of one worker, given the (resolved or generated) checkpoint."""
         staging = self.staging_bytes(model_path) if self.mode == "disaggregated" else 0
-        # Fractional GPUs are refused in disaggregated mode: only colocated replicas share one.
-        gpus = self.role_configs()["decode"].resources.num_gpus
-        share = gpus if self.mode == "colocated" and 0 < gpus < 1 else 1.0
+        share = self.role_configs()["decode"].resources.device_share()
         return self.engine.to_engine_config(self.model, model_path, staging,
                                             self._cpu_affinity(), device_share=share)
 
@@ -169,18 +167,10 @@ class PdserveConfig(Section):
             return int(self.handoff.staging_buffer_mb * (1 << 20))
         from pdserve.engine.kv_cache import kv_bytes_per_token  # imports torch: only when wiring
 
+        gpus = [role.resources.num_gpus for role in self.role_configs().values()]
         per_token = kv_bytes_per_token(ModelConfig.from_checkpoint(model_path),
-                                       self.kv_dtype_name())
+                                       self.model.wiring_dtype(self.engine.device, gpus))
         return default_staging_bytes(per_token, self.engine.max_num_batched_tokens)
-
-    def kv_dtype_name(self) -> str:
-        """model.dtype as the workers will resolve it, for sizes computed while wiring: auto is
-        two bytes a value on GPUs (bfloat16 or float16), float32 on CPU."""
-        if self.model.dtype != "auto":
-            return self.model.dtype
-        on_gpu = self.engine.device == "cuda" or (self.engine.device == "auto" and any(
-            role.resources.num_gpus > 0 for role in self.role_configs().values()))
-        return "bfloat16" if on_gpu else "float32"
 
     def _cpu_affinity(self) -> CpuAffinity | None:
         """The core sets of engine.cpu_affinity, with a claim directory of this application

@@ -74,6 +74,14 @@ class ModelSection(Section):
         None, ge=1, description="Longest prompt + output in tokens; default: the checkpoint's "
         "max_position_embeddings.")
 
+    def wiring_dtype(self, device: str, gpus_per_rank: list[float]) -> str:
+        """dtype as the workers will resolve it, for sizes computed while wiring: auto is two
+        bytes a value on GPUs (bfloat16 or float16: `engine_config.auto_dtype`), else float32."""
+        if self.dtype != "auto":
+            return self.dtype
+        on_gpu = device == "cuda" or (device == "auto" and any(g > 0 for g in gpus_per_rank))
+        return "bfloat16" if on_gpu else "float32"
+
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
         if (self.path is None) == (self.generate is None):

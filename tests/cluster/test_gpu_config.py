@@ -92,10 +92,10 @@ def test_dtype_auto_is_half_precision_on_cuda_and_float32_on_cpu(
                                       engine__max_num_batched_tokens=4096,
                                       roles__decode__resources__num_gpus=1,
                                       roles__prefill__resources__num_gpus=1))
-    assert on_gpu.kv_dtype_name() == "bfloat16"
+    assert on_gpu.model.wiring_dtype(on_gpu.engine.device, [1.0]) == "bfloat16"
     assert on_gpu.to_engine_config(path).handoff_staging_bytes == max(
         MIN_STAGING_BYTES, per_token * 4096)
-    assert parse_config(config_with()).kv_dtype_name() == "float32"
+    assert parse_config(config_with()).model.wiring_dtype("auto", [0.0, 0.0]) == "float32"
 
 
 def test_colocated_fractional_gpus_become_the_engine_share() -> None:
