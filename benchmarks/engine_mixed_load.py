@@ -135,7 +135,8 @@ def measure(args: argparse.Namespace, path: Path, cap: int) -> dict[str, dict[st
     config = engine_config(
         str(path), dtype=args.dtype, device="cpu", num_kv_blocks=2048,
         max_num_batched_tokens=args.budget, max_num_seqs=64, long_prefill_token_threshold=cap)
-    loaded = LoadedModel.load(config.model_path, config.torch_dtype, config.resolve_device())
+    loaded = LoadedModel.load(config.model_path, config.resolve_dtype(config.resolve_device()),
+                              config.resolve_device())
     arrivals = make_arrivals(args, loaded.config.vocab_size)
     shorts = [a for a in arrivals if not a.is_long]
     replay(LLMEngine(config, loaded), shorts[:4], RequestMode.FULL)  # warm-up

@@ -1,227 +1,205 @@
-"""The one GPU check: runs pdserve's GPU tests, then measures each CUDA path against its bound and
-prints every figure as a ratio to that bound. One GPU, no network, no Ray, under 8 minutes.
+"""The one GPU check: pdserve's GPU tests, then each CUDA path measured against its bound, every
+result a check in gpu_check.json (and the log beside it) in the folder --out names.
 
-    .venv/bin/python benchmarks/gpu_check.py [--skip-tests] [--model-dir DIR]
+    PYTHONPATH=/tmp/site:. python3 benchmarks/gpu_check.py --out OUT [--skip-tests]
 
-On a machine without a CUDA GPU it says so and exits 0. Exit status 1: a test or a parity
-check failed.
+One GPU, no network, no Ray, under 8 minutes. What the GPU image lacks is carried as the wheels
+of benchmarks/gpu_carry.txt (README, "On a GPU"); a part whose package is missing is skipped,
+saying what it needs. Exit status 1 when any check failed (imports, tests, parity, handoff,
+a figure outside its bounds); without a GPU it checks the imports and the GPU tests' collection,
+says there is no GPU and exits 0 unless one of those failed.
 """
 
 from __future__ import annotations
 
-import argparse
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parents[1]
-# Dense bf16 tensor-core FLOP/s and HBM bytes/s from the vendors' data sheets, by name part.
-PEAKS = {"H200": (989e12, 4.8e12), "H100": (989e12, 3.35e12), "A100": (312e12, 2.0e12),
-         "A10G": (70e12, 0.6e12), "L40S": (362e12, 0.864e12), "L4": (121e12, 0.3e12)}
-# Llama-3-8B's shape (make-model size flags).
-LLAMA3_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-             "num_layers": 32, "num_heads": 32, "num_kv_heads": 8}
+if str(ROOT) not in sys.path:  # before the first pdserve import: the script runs from anywhere
+    sys.path.insert(0, str(ROOT))
+
+import argparse  # noqa: E402
+import importlib  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import xml.etree.ElementTree as ElementTree  # noqa: E402
+
+from benchmarks.gpu_report import Report  # noqa: E402
+
+# What every stage imports; a missing one fails the check (the image or the carry is wrong).
+REQUIRED_MODULES = (
+    "torch", "numpy", "safetensors", "tokenizers", "transformers", "jinja2", "yaml", "msgpack",
+    "xxhash", "pydantic", "pytest", "pdserve.engine.engine", "pdserve.engine.checkpoint_maker",
+    "pdserve.cluster.config", "pdserve.handoff.sender", "pdserve.handoff.receiver",
+    "tests.handoff.handoff_agent", "benchmarks.gpu_figures",
+)
+UCXX_WHEELS = "ucxx-cu13, libucxx-cu13, libucx-cu13, rmm-cu13, librmm-cu13, rapids-logger"
+TESTS_TIMEOUT_S = 240
+# Seconds the engine stage needs (the 16 GB checkpoint, loading it, the runs).
+ENGINE_STAGE_S = 150
 
 
-def line(name: str, value: float, bound: float, unit: str) -> None:
-    print(f"{name}: {value:,.1f} {unit} / bound {bound:,.1f} {unit} = {value / bound:.2f}",
-          flush=True)
+def check_imports(report: Report) -> str | None:
+    """Import every required module here; probe UCXX in a child (UCX must not start in this
+    process before CUDA does). Returns why the handoff cannot run, or None."""
+    missing = []
+    for name in REQUIRED_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - any import error is the finding
+            missing.append(f"{name} ({type(exc).__name__}: {exc})")
+    report.passed("imports", f"{len(REQUIRED_MODULES)} required modules import", not missing,
+                  "; ".join(missing))
+    probe = subprocess.run([sys.executable, "-c", "import ucxx; print(ucxx.__version__)"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode == 0:
+        report.passed("imports", f"ucxx {probe.stdout.strip()} imports", True)
+        return None
+    last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+    problem = (f"ucxx does not import ({last}); the handoff needs {UCXX_WHEELS} "
+               "(benchmarks/gpu_carry.txt) and the image's cuda-bindings 13")
+    report.skipped("imports", "ucxx", problem)
+    return problem
 
 
-def peaks() -> tuple[float, float, str]:
-    name = torch.cuda.get_device_name()
-    for part, (flops, bandwidth) in PEAKS.items():
-        if part in name:
-            return flops, bandwidth, f"{name}: data-sheet peaks"
-    return measured_matmul_flops(), copy_bandwidth(), f"{name}: measured peaks (not in table)"
+def gpu_test_files() -> list[str]:
+    """Every test file with a GPU test, found by its marker."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                  if "pytest.mark.gpu" in p.read_text(encoding="utf-8"))
 
 
-def measured_matmul_flops() -> float:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        a @ a
-    torch.cuda.synchronize()
-    return 20 * 2 * 8192**3 / (time.perf_counter() - start)
+def run_pytest(report: Report, extra: list[str], log_name: str, timeout_s: float) -> int | None:
+    """pytest -m gpu over the GPU test files in a session of its own; None when it timed out
+    (then its whole process group is killed, handoff agents included)."""
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
+               *extra, *gpu_test_files()]
+    with (report.out_dir / log_name).open("w", encoding="utf-8") as log:
+        child = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        try:
+            return child.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            return None
 
 
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy, bytes moved (read + written) per second."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    torch.cuda.synchronize()
-    return 10 * 2 * nbytes / (time.perf_counter() - start)
+def collect_gpu_tests(report: Report) -> None:
+    code = run_pytest(report, ["--collect-only"], "pytest_collect.log", TESTS_TIMEOUT_S)
+    report.passed("tests", "GPU tests collect", code == 0,
+                  f"pytest exit {code}; see pytest_collect.log")
 
 
-def run_gpu_tests() -> bool:
-    print("== GPU tests (pytest -m gpu)", flush=True)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "gpu",
-                             "tests/engine", "tests/handoff"], cwd=ROOT, timeout=240)
-    return result.returncode == 0
+def run_gpu_tests(report: Report, timeout_s: float) -> None:
+    xml_path = report.out_dir / "pytest.xml"
+    code = run_pytest(report, [f"--junitxml={xml_path}"], "pytest.log", timeout_s)
+    if code is None:
+        report.passed("tests", "pytest -m gpu", False, f"timed out after {timeout_s:.0f} s; "
+                      "see pytest.log")
+        return
+    counts, failed = _junit_summary(xml_path)
+    report.facts["tests"] = counts
+    detail = (f"exit {code}; {counts}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    report.passed("tests", "pytest -m gpu", code == 0 and counts.get("tests", 0) > 0, detail)
 
 
-def backend_parity(model_dir: Path) -> bool:
-    """Logits and greedy tokens of every CUDA backend against the torch path and transformers."""
-    from transformers import AutoModelForCausalLM
-
-    from pdserve.engine.attention import TorchAttentionBackend
-    from pdserve.engine.attention.selection import probe_flash_attn, probe_triton
-    from pdserve.engine.checkpoint import load_model
-
-    print("== backend parity (tiny Llama, bf16)", flush=True)
-    backends = {"torch": TorchAttentionBackend}
-    if probe_triton() is None:
-        from pdserve.engine.attention.triton_backend import TritonAttentionBackend
-
-        backends["triton"] = TritonAttentionBackend
-    flash = probe_flash_attn() is None and torch.cuda.get_device_capability() >= (8, 0)
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
-    prompt = torch.randint(0, 1000, (200,), generator=torch.Generator().manual_seed(0)).cuda()
-    with torch.inference_mode():
-        want = reference(prompt[None]).logits[0].float()
-    ok = True
-    for name, block_size in [(n, 16) for n in backends] + ([("flash-attn", 256)] if flash else []):
-        model, _ = load_model(model_dir, torch.bfloat16, "cuda", block_size=block_size)
-        if name in backends:
-            model.attention_backend = backends[name]()
-        logits = _forward(model, prompt, block_size)
-        diff = (logits - want).abs().max().item()
-        agree = (logits.argmax(-1) == want.argmax(-1)).float().mean().item()
-        line(f"{name} vs transformers max |logit diff|", diff, 0.5, "")
-        line(f"{name} vs transformers greedy agreement", agree, 1.0, "")
-        ok &= diff < 0.5 and agree > 0.98
-    return ok
+def _junit_summary(path: Path) -> tuple[dict[str, int], list[str]]:
+    if not path.exists():
+        return {}, []
+    root = ElementTree.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return {}, []
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    return counts, failed
 
 
-def _forward(model: torch.nn.Module, prompt: torch.Tensor, block_size: int) -> torch.Tensor:
-    from pdserve.engine.attention import AttentionMetadata
+def measure(report: Report, args: argparse.Namespace, deadline: float, ucxx_problem: str | None,
+            ) -> None:
+    import torch
 
-    c = model.config
-    n = prompt.numel()
-    blocks = -(-n // block_size)
-    cache = torch.zeros(c.num_layers, 2, blocks, block_size, c.num_kv_heads, c.head_dim,
-                        dtype=torch.bfloat16, device="cuda")
-    metadata = AttentionMetadata.build([n], [n], [list(range(blocks))], block_size, "cuda")
-    with torch.inference_mode():
-        hidden = model(prompt, torch.arange(n, device="cuda"), cache, metadata)
-        return model.compute_logits(hidden)
+    from benchmarks import gpu_figures
+    from pdserve.engine.checkpoint_maker import make_checkpoint
 
-
-def handoff_ratio() -> None:
-    """Two processes on one GPU: byte-exact, GB/s against a device-to-device copy."""
-    sys.path[:0] = [str(ROOT)]
-    from pdserve.engine.kv_layout import KVLayout
-    from tests.handoff.handoff_agent import running_agents
-
-    print("== handoff, two processes on one GPU", flush=True)
-    layout = KVLayout("check", "bfloat16", block_size=16, num_layers=32, num_kv_heads=8,
-                      head_dim=128)  # Llama-3-8B: 4 MiB per block across layers
-    num_blocks = 128  # 2,048 tokens, 256 MiB
-    big = {"receiver_staging_bytes": 512 << 20, "sender_staging_bytes": 512 << 20,
-           "max_piece_bytes": 16 << 20, "min_piece_bytes": 4 << 20, "timeout_s": 60.0}
-    with running_agents(big, big) as (receiver, sender):
-        for agent, seed in ((receiver, 1), (sender, 2)):
-            agent.call("make_cache", layout=layout.to_dict(), num_blocks=num_blocks + 8,
-                       seed=seed, device="cuda")
-        receiver.call("make_receiver")
-        sender.call("make_sender")
-        seconds = []
-        for rep in range(4):  # the first warms links and staging
-            ids = list(range(num_blocks))
-            ticket = receiver.call("reserve", request_id=f"bw{rep}", block_ids=ids,
-                                   num_tokens=num_blocks * 16 - 1)
-            start = time.perf_counter()
-            handle = sender.call("push", tickets=[ticket], block_ids=[ids],
-                                 first_token_id=1)["handles"][0]
-            assert receiver.call("wait", request_id=f"bw{rep}", timeout=60)["ok"]
-            seconds.append(time.perf_counter() - start)
-            assert sender.call("result", handle=handle, timeout=60)["ok"]
-        exact = receiver.call("blocks_digest", block_ids=ids) == \
-            sender.call("blocks_digest", block_ids=ids)
-        print(f"handoff byte-exact: {exact}")
-        nbytes = num_blocks * layout.num_layers * layout.block_bytes
-        line("handoff GB/s vs device-to-device copy", nbytes / min(seconds[1:]) / 1e9,
-             copy_bandwidth() / 2 / 1e9, "GB/s")
+    flops, bandwidth, source = gpu_figures.peaks()
+    report.facts["peaks"] = {"source": source, "bf16_flops": flops, "hbm_bytes_per_s": bandwidth}
+    report.say(f"gpu_check: {source}: {flops / 1e12:.0f} TFLOP/s bf16, "
+               f"{bandwidth / 1e12:.2f} TB/s")
+    if not args.skip_tests:
+        with report.stage("tests"):
+            run_gpu_tests(report, min(TESTS_TIMEOUT_S, deadline - time.monotonic() - 200))
+    with tempfile.TemporaryDirectory() as tmp:
+        with report.stage("parity"):
+            tiny = make_checkpoint(Path(tmp) / "tiny", "llama", "tiny", dtype="bfloat16")
+            gpu_figures.backend_parity(report, tiny)
+        torch.cuda.empty_cache()
+        with report.stage("handoff"):
+            if ucxx_problem is None:
+                gpu_figures.handoff_ratio(report)
+            else:
+                report.skipped("handoff", "two processes on one GPU", ucxx_problem)
+        with report.stage("engine"):
+            left = deadline - time.monotonic()
+            if not report.passed("engine", "time left for the engine stage",
+                                 left >= ENGINE_STAGE_S, f"{left:.0f} s of {ENGINE_STAGE_S}"):
+                return
+            model_dir = args.model_dir or Path(tmp) / "llama3-8b-shape"
+            if not (model_dir / "config.json").exists():
+                report.say("making the Llama-3-8B-shaped checkpoint (random bf16 weights)")
+                make_checkpoint(model_dir, "llama", "medium", dtype="bfloat16",
+                                shape=gpu_figures.LLAMA3_8B)
+            gpu_figures.engine_ratios(report, model_dir, flops, bandwidth)
 
 
-def engine_ratios(model_dir: Path, flops: float, bandwidth: float) -> None:
-    from pdserve.cluster.config import engine_config
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.kv_cache import kv_bytes_per_token
-    from pdserve.engine.sampling_params import SamplingParams
-
-    print("== engine, Llama-3-8B-shaped random bf16 checkpoint", flush=True)
-    engine = LLMEngine(engine_config(str(model_dir), dtype="bfloat16", max_model_len=8192 + 64,
-                                     device="cuda", max_num_batched_tokens=8192,
-                                     max_num_seqs=128, enable_prefix_caching=False))
-    print(engine.describe())
-    params = sum(p.numel() for p in engine.loaded.model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
-    per_token = kv_bytes_per_token(engine.loaded.config, "bfloat16")
-    once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    engine.generate([[1] * 512], once)  # warm-up
-    n = 8192
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    engine.generate([[(i * 7) % 1000 + 1 for i in range(n)]], once)
-    seconds = time.perf_counter() - start
-    c = engine.loaded.config
-    attention = 2 * c.num_layers * n * n * c.num_heads * c.head_dim  # causal QK^T and PV
-    line("prefill tok/s at 8k vs FLOP bound", n / seconds,
-         n / ((2 * params * n + attention) / flops), "tok/s")
-    for batch in (1, 32, 128):
-        prompts = [[(b * 13 + i) % 1000 + 1 for i in range(128)] for b in range(batch)]
-        steps = 64
-        decode = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-        engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.generate(prompts, decode)
-        seconds = time.perf_counter() - start
-        context = 128 + steps // 2
-        step_bytes = weight_bytes + batch * context * per_token
-        line(f"decode tok/s at batch {batch} vs (weights + KV)/HBM bound",
-             batch * steps / seconds, batch / (step_bytes / bandwidth), "tok/s")
-
-
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check",
+                        help="folder for gpu_check.json, gpu_check.log and pytest's log")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--model-dir", type=Path, default=None,
                         help="reuse a Llama-3-8B-shaped checkpoint made by an earlier run")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU found (torch.cuda.is_available() is False); nothing to "
-              "check on this machine")
-        return 0
-    from pdserve.engine.checkpoint_maker import make_checkpoint
+    parser.add_argument("--budget-s", type=float, default=470.0,
+                        help="the whole run's time; the engine stage fails if too little is left")
+    args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.budget_s
+    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"),
+                       ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(key, value)
+    report = Report(args.out)
+    report.facts["python"] = sys.version.split()[0]
+    ucxx_problem: str | None = "the imports stage did not finish"
+    with report.stage("imports"):
+        ucxx_problem = check_imports(report)
+    if any(c.status == "fail" for c in report.checks):
+        return report.write()
+    import torch
 
-    flops, bandwidth, source = peaks()
-    print(f"gpu_check: {source}: {flops / 1e12:.0f} TFLOP/s bf16, {bandwidth / 1e12:.2f} TB/s")
-    ok = args.skip_tests or run_gpu_tests()
-    with tempfile.TemporaryDirectory() as tmp:
-        tiny = make_checkpoint(Path(tmp) / "tiny", "llama", "tiny", dtype="bfloat16")
-        ok &= backend_parity(tiny)
-        handoff_ratio()
-        model_dir = args.model_dir or Path(tmp) / "llama3-8b-shape"
-        if not (model_dir / "config.json").exists():
-            print("making the Llama-3-8B-shaped checkpoint (random bf16 weights)", flush=True)
-            make_checkpoint(model_dir, "llama", "medium", dtype="bfloat16", shape=LLAMA3_8B)
-        engine_ratios(model_dir, flops, bandwidth)
-    print("gpu_check: " + ("all checks passed" if ok else "a check FAILED"))
-    return 0 if ok else 1
+    report.facts.update(torch=torch.__version__, cuda=torch.version.cuda,
+                        triton=_version("triton"))
+    if not torch.cuda.is_available():
+        with report.stage("tests"):
+            collect_gpu_tests(report)
+        report.facts["gpu"] = None
+        report.say("gpu_check: no CUDA GPU found (torch.cuda.is_available() is False); "
+                   "nothing to measure on this machine")
+        return report.write()
+    report.facts["gpu"] = {"name": torch.cuda.get_device_name(),
+                           "capability": list(torch.cuda.get_device_capability())}
+    measure(report, args, deadline, ucxx_problem)
+    return report.write()
+
+
+def _version(module: str) -> str | None:
+    try:
+        return str(importlib.import_module(module).__version__)
+    except Exception:  # noqa: BLE001 - a version is a fact, not a check
+        return None
 
 
 if __name__ == "__main__":

@@ -143,8 +143,9 @@ class PdserveConfig(Section):
     def to_engine_config(self, model_path: str) -> EngineConfig:
         """The engine settings of one worker, given the (resolved or generated) checkpoint."""
         staging = self.staging_bytes(model_path) if self.mode == "disaggregated" else 0
+        share = self.role_configs()["decode"].resources.device_share()
         return self.engine.to_engine_config(self.model, model_path, staging,
-                                            self._cpu_affinity())
+                                            self._cpu_affinity(), device_share=share)
 
     def check_parallelism(self, model: ModelConfig) -> None:
         """Raise `ConfigError` for a role's tensor_parallel_size that ``model`` cannot be split
@@ -166,7 +167,9 @@ class PdserveConfig(Section):
             return int(self.handoff.staging_buffer_mb * (1 << 20))
         from pdserve.engine.kv_cache import kv_bytes_per_token  # imports torch: only when wiring
 
-        per_token = kv_bytes_per_token(ModelConfig.from_checkpoint(model_path), self.model.dtype)
+        gpus = [role.resources.num_gpus for role in self.role_configs().values()]
+        per_token = kv_bytes_per_token(ModelConfig.from_checkpoint(model_path),
+                                       self.model.wiring_dtype(self.engine.device, gpus))
         return default_staging_bytes(per_token, self.engine.max_num_batched_tokens)
 
     def _cpu_affinity(self) -> CpuAffinity | None:

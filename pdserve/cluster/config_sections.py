@@ -67,11 +67,20 @@ class ModelSection(Section):
     cache_dir: str = Field(
         "~/.cache/pdserve/models",
         description="Where generated checkpoints are written and reused.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weight and KV cache dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and KV cache dtype. auto: bfloat16 on a CUDA device of "
+        "compute capability 8.0 or newer (float16 before it), float32 on CPU.")
     max_model_len: int | None = Field(
         None, ge=1, description="Longest prompt + output in tokens; default: the checkpoint's "
         "max_position_embeddings.")
+
+    def wiring_dtype(self, device: str, gpus_per_rank: list[float]) -> str:
+        """dtype as the workers will resolve it, for sizes computed while wiring: auto is two
+        bytes a value on GPUs (bfloat16 or float16: `engine_config.auto_dtype`), else float32."""
+        if self.dtype != "auto":
+            return self.dtype
+        on_gpu = device == "cuda" or (device == "auto" and any(g > 0 for g in gpus_per_rank))
+        return "bfloat16" if on_gpu else "float32"
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -167,9 +176,10 @@ class EngineSection(Section):
         return self
 
     def to_engine_config(self, model: ModelSection, model_path: str, handoff_staging_bytes: int,
-                         cpu_affinity: CpuAffinity | None = None) -> EngineConfig:
-        """One worker's engine settings, given the (resolved or generated) checkpoint and the
-        device memory its handoff stages KV in (0: none)."""
+                         cpu_affinity: CpuAffinity | None = None,
+                         device_share: float = 1.0) -> EngineConfig:
+        """One worker's engine settings, given the (resolved or generated) checkpoint, the
+        device memory its handoff stages KV in (0: none) and the share of its GPU it owns."""
         from pdserve.engine.engine_config import EngineConfig  # imports torch: only when wiring
 
         sized = self.num_kv_blocks is not None or self.kv_cache_memory_gb is not None
@@ -178,7 +188,7 @@ class EngineSection(Section):
             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
             kv_cache_memory_gb=self.kv_cache_memory_gb or DEFAULT_KV_CACHE_MEMORY_GB,
             gpu_memory_utilization=None if sized else self.gpu_memory_utilization,
-            handoff_staging_bytes=handoff_staging_bytes,
+            device_share=device_share, handoff_staging_bytes=handoff_staging_bytes,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, max_model_len=model.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,

@@ -24,12 +24,14 @@ def resolve_model_path(cfg: PdserveConfig) -> str:
         return str(path)
     assert model.generate is not None
     gen = model.generate
-    name = f"{gen.family}-{gen.size}-seed{gen.seed}-{model.dtype}"
+    # The weights are stored in float32 for auto: the engine casts them to the dtype it picks.
+    stored = "float32" if model.dtype == "auto" else model.dtype
+    name = f"{gen.family}-{gen.size}-seed{gen.seed}-{stored}"
     path = Path(model.cache_dir).expanduser() / name
     if not (path / "config.json").is_file():
         from pdserve.engine.checkpoint_maker import make_checkpoint
 
         logger.info("generating a %s/%s checkpoint in %s (first run only)", gen.family, gen.size,
                     path)
-        make_checkpoint(path, gen.family, gen.size, seed=gen.seed, dtype=model.dtype)
+        make_checkpoint(path, gen.family, gen.size, seed=gen.seed, dtype=stored)
     return str(path)

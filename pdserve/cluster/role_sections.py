@@ -32,6 +32,11 @@ class Resources(Section):
                              "more GPUs per replica, or more replicas")
         return value
 
+    def device_share(self) -> float:
+        """The fraction of its GPU a rank owns: below 1 only for colocated replicas sharing one
+        (disaggregated mode refuses fractional GPUs)."""
+        return self.num_gpus if 0 < self.num_gpus < 1 else 1.0
+
     def to_replica_resources(self, num_ranks: int = 1) -> ReplicaResources:
         """What a replica of ``num_ranks`` ranks asks for in all."""
         return ReplicaResources(self.num_cpus * num_ranks, self.num_gpus * num_ranks,

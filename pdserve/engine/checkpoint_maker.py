@@ -64,9 +64,10 @@ SHAPES: dict[str, Shape] = {
     "medium": Shape(8000, 512, 1408, 8, 8, 4, 4096, num_shards=1),
     "small": Shape(16384, 640, 1792, 10, 10, 2, 4096, num_shards=3),
 }
-# What `shape` may override in a preset (the command line's size flags).
+# What `shape` may override in a preset (the command line's size flags). The context length is
+# among them: a real model's shape (Llama-3-8B: 8,192 positions) needs its own, not the preset's.
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                "num_kv_heads")
+                "num_kv_heads", "max_position_embeddings")
 
 # llama3-style scaling with a short "original" context, so positions well inside the tiny
 # models' range already fall in the scaled/interpolated frequency bands.
@@ -314,4 +315,4 @@ def main_make_model(argv: Sequence[str] | None = None) -> int:
 def _describe(shape: Shape) -> str:
     return (f"vocab {shape.vocab_size}, hidden {shape.hidden_size}, intermediate "
             f"{shape.intermediate_size}, {shape.num_layers} layers, {shape.num_heads} heads / "
-            f"{shape.num_kv_heads} KV heads")
+            f"{shape.num_kv_heads} KV heads, {shape.max_position_embeddings} positions")

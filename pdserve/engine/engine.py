@@ -63,8 +63,8 @@ class LLMEngine:
         self.tp = tp
         device = config.resolve_device()
         if loaded is None:
-            loaded = LoadedModel.load(config.model_path, config.torch_dtype, device, progress=True,
-                                     block_size=config.block_size, tp=tp)
+            loaded = LoadedModel.load(config.model_path, config.resolve_dtype(device), device,
+                                      progress=True, block_size=config.block_size, tp=tp)
         self.loaded = loaded
         self.device = loaded.device
         self.tokenizer = loaded.tokenizer

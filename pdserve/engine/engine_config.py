@@ -17,7 +17,7 @@ from pdserve.engine.kv_layout import DTYPE_BY_NAME
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model_path: str
-    dtype: str  # a DTYPE_BY_NAME key
+    dtype: str  # a DTYPE_BY_NAME key, or "auto" (`auto_dtype`: chosen by the device)
     device: str  # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"
     block_size: int
     # Blocks in the cache; None sizes it from kv_cache_memory_gb (`kv_cache.num_kv_blocks_for`).
@@ -26,6 +26,9 @@ class EngineConfig:
     # On CUDA: the fraction of the device's memory the worker may use, the KV cache taking what
     # is left of it (`memory_profile.plan_kv_cache`); None: the size above, on every device.
     gpu_memory_utilization: float | None
+    # The fraction of its device this worker owns: colocated replicas with fractional GPUs
+    # share one, each sizing its KV from its share (`kv_sizing.kv_budget_from_memory`).
+    device_share: float = 1.0
     # Device memory the worker's KV handoff stages pieces in, kept out of a measured KV cache
     # (0: a worker without a handoff).
     handoff_staging_bytes: int
@@ -49,11 +52,18 @@ class EngineConfig:
     # Core sets the worker claims one of and binds to (cpu_affinity.apply_cpu_settings).
     cpu_affinity: CpuAffinity | None
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPE_BY_NAME[self.dtype]
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        return DTYPE_BY_NAME[auto_dtype(device) if self.dtype == "auto" else self.dtype]
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+def auto_dtype(device: torch.device) -> str:
+    """model.dtype auto: half precision where the device computes it fast (fp32 on a GPU means
+    fp32 weights and KV, IEEE dots in the Triton kernel and no flash-attn), float32 on CPU."""
+    if device.type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.get_device_capability(device) >= (8, 0) else "float16"

@@ -23,6 +23,7 @@ class DeviceMemory:
     total_bytes: int
     free_bytes: int  # after the profile step's activations were freed
     peak_activation_bytes: int  # the profile step's peak above what was allocated before it
+    own_bytes: int = 0  # what this process holds on the device (weights, torch's cache)
 
 
 @dataclass(frozen=True)
@@ -33,17 +34,35 @@ class KVBudget:
 
 
 def kv_budget_from_memory(layout: KVLayout, memory: DeviceMemory, utilization: float,
-                          staging_bytes: int) -> KVBudget:
+                          staging_bytes: int, device_share: float = 1.0) -> KVBudget:
     """Blocks that fit in ``utilization`` of the device once what is in use, the step's peak
     activations and the staging are set aside. Refuses (naming every figure) when not even one
-    block fits."""
-    in_use = memory.total_bytes - memory.free_bytes
-    allowed = int(memory.total_bytes * utilization)
+    block fits.
+
+    A worker that owns ``device_share`` < 1 of its device (colocated replicas with fractional
+    GPUs) gets that share of ``utilization`` of it, less only what it holds itself: the other
+    replicas on the device spend their own shares. It never takes more than is free with the
+    device-wide headroom kept."""
+    shared = device_share < 1
+    if shared:
+        in_use = memory.own_bytes
+        allowed = int(memory.total_bytes * utilization * device_share)
+    else:
+        in_use = memory.total_bytes - memory.free_bytes
+        allowed = int(memory.total_bytes * utilization)
     left = max(0, allowed - in_use - memory.peak_activation_bytes - staging_bytes)
+    headroom = memory.total_bytes - int(memory.total_bytes * utilization)
+    free_left = max(0, memory.free_bytes - memory.peak_activation_bytes - staging_bytes - headroom)
+    capped = shared and free_left < left
+    if capped:
+        left = free_left
+    reason = (f"{utilization:.2f} x {_gib(memory.total_bytes)}"
+              f"{f' x {device_share:g} (its share)' if shared else ''} = {_gib(allowed)}, minus "
+              f"{_gib(in_use)} in use{' by this worker' if shared else ''}, "
+              f"{_gib(memory.peak_activation_bytes)} peak activations of one step, "
+              f"{_gib(staging_bytes)} staging: {_gib(left)}"
+              f"{' (capped by the device free memory)' if capped else ''}")
     num_blocks = num_blocks_for_budget(layout, left)
-    reason = (f"{utilization:.2f} x {_gib(memory.total_bytes)} = {_gib(allowed)}, minus "
-              f"{_gib(in_use)} in use, {_gib(memory.peak_activation_bytes)} peak activations "
-              f"of one step, {_gib(staging_bytes)} staging: {_gib(left)}")
     if num_blocks < 1:
         raise InvalidRequestError(
             f"no room for the KV cache: {reason}; raise gpu_memory_utilization or lower "

@@ -34,7 +34,7 @@ def plan_kv_cache(config: EngineConfig, layout: KVLayout, model: nn.Module,
         memory = profile_device_memory(model, layout, num_tokens,
                                        min(config.max_num_seqs, num_tokens), device)
         budget = kv_budget_from_memory(layout, memory, config.gpu_memory_utilization,
-                                       config.handoff_staging_bytes)
+                                       config.handoff_staging_bytes, config.device_share)
     if tp.size == 1:
         return budget
     num_blocks = tp.min_int(budget.num_blocks)
@@ -78,4 +78,5 @@ def profile_device_memory(model: nn.Module, layout: KVLayout, num_tokens: int,
     del cache, hidden, probs
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    return DeviceMemory(total_bytes=total, free_bytes=free, peak_activation_bytes=max(0, peak))
+    return DeviceMemory(total_bytes=total, free_bytes=free, peak_activation_bytes=max(0, peak),
+                        own_bytes=torch.cuda.memory_reserved(device))

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 
 _MIN_CLASS = 64 * 1024
+# Size classes per power of two: a buffer is at most 1/8 larger than asked (a power-of-two class
+# doubles a piece just above one), and pieces of nearly the same size still share a class.
+_CLASSES_PER_OCTAVE = 8
 
 
 @dataclass(frozen=True)
@@ -28,15 +31,19 @@ class StagingStats:
 
 
 class StagingPool:
-    """Hands out uint8 buffers of power-of-two size classes, never more than ``capacity_bytes``
-    in use plus cached. Thread-safe. ``try_acquire`` never blocks: callers that find it full
-    queue in a `StagingAdmission` (on the handoff loop) until a release makes room.
+    """Hands out uint8 buffers of size classes (eight per power of two, none above the capacity),
+    never more than ``capacity_bytes`` in use plus cached. Thread-safe. ``try_acquire`` never
+    blocks: callers that find it full queue in a `StagingAdmission` (on the handoff loop) until
+    a release makes room.
 
     CUDA: UCX writes and reads staging outside any stream's order, while PyTorch's caching
     allocator may hand out memory that kernels queued earlier on the allocating stream still
-    use. So every new CUDA buffer is handed out only after its device synchronized (ucxx's own
-    Dask backend synchronizes before CUDA transfers for the same reason); reused buffers never
-    leave pdserve's hands, so they need no sync.
+    use. So new CUDA buffers are allocated on the pool's own stream, which runs no kernels: the
+    allocator reuses a block only on the stream that freed it, so a new buffer is either fresh
+    memory or an evicted staging buffer, and waiting for that idle stream is all the ordering it
+    needs. (A device-wide synchronize there would hold the engine thread, in a layer hook, behind
+    every kernel queued on the device.) Released buffers are done with (sends completed,
+    scatters waited for), so reused and evicted ones need no sync.
 
     Ownership: a buffer belongs to its acquirer until ``release``; the pool never hands the
     same buffer to two holders and never frees one that is in use.
@@ -53,14 +60,20 @@ class StagingPool:
         self._free: dict[int, list[torch.Tensor]] = {}
         self._in_use: dict[int, tuple[int, torch.Tensor]] = {}  # id -> (class size, buffer)
         self._quarantined: list[torch.Tensor] = []
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._in_use_bytes = 0
         self._cached_bytes = 0
         self._num_acquired = 0
         self._num_refused = 0
 
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        return max(_MIN_CLASS, 1 << max(0, nbytes - 1).bit_length())
+    def size_class(self, nbytes: int) -> int:
+        """The buffer size that serves ``nbytes``: the next of eight steps per power of two,
+        capped at the capacity for a piece that fits it."""
+        if nbytes <= _MIN_CLASS:
+            return _MIN_CLASS
+        step = (1 << (nbytes - 1).bit_length()) // (2 * _CLASSES_PER_OCTAVE)
+        size = -(-nbytes // step) * step
+        return min(size, self.capacity_bytes) if nbytes <= self.capacity_bytes else size
 
     def fits_ever(self, nbytes: int) -> bool:
         return self.size_class(nbytes) <= self.capacity_bytes
@@ -84,11 +97,17 @@ class StagingPool:
             self._num_acquired += 1
         if buffer is None:
             # Allocate outside the lock: page faults or a CUDA malloc can take a while.
-            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-            if buffer.is_cuda:
-                torch.cuda.synchronize(self.device)
+            buffer = self._allocate(size)
         with self._lock:
             self._in_use[id(buffer)] = (size, buffer)
+        return buffer
+
+    def _allocate(self, size: int) -> torch.Tensor:
+        if self._stream is None:
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
+        with torch.cuda.stream(self._stream):
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._stream.synchronize()
         return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
@@ -169,6 +188,14 @@ class StagingAdmission:
             if granted is not None:
                 self.pool.release(granted)  # granted just as we were cancelled
             raise
+
+    def _allocate(self, size: int) -> torch.Tensor:
+        if self._stream is None:
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
+        with torch.cuda.stream(self._stream):
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._stream.synchronize()
+        return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
         self.pool.release(buffer)

@@ -104,6 +104,12 @@ class HandoffTransport:
     async def _init_ucx(self) -> bytes:
         import ucxx  # type: ignore[import-untyped]
 
+        if torch.cuda.is_available():
+            # CUDA before UCX: the worker may start its transport before its engine, and UCX's
+            # CUDA transports and ucxx's progress thread (which makes device 0's context
+            # current) must find the primary context torch uses, already made.
+            torch.cuda.init()
+            torch.cuda.current_stream()
         ucxx.init(options=self.config.ucx_options(), progress_mode="thread",
                   enable_python_future=True)
         # Fill the future pool now; otherwise the first request races ucxx's notifier thread

@@ -37,6 +37,8 @@ def test_cluster_file_passes_rays_validation(path: Path) -> None:
     setup = " ".join(config["setup_commands"])
     assert "pip install" in setup and "~/pdserve" in setup
     assert config["file_mounts"]["~/pdserve"] == "."
+    # UCXX's extra follows the installed torch's CUDA, never a fixed cu12.
+    assert "[cu12]" not in setup and "torch.version.cuda" in setup
 
 
 def test_broken_cluster_file_is_refused_by_the_same_checks(tmp_path: Path) -> None:

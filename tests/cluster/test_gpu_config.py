@@ -67,3 +67,42 @@ def test_the_gpu_example_asks_for_one_gpu_per_replica_and_sizes_kv_from_the_gpu(
     assert cfg.engine.num_kv_blocks is None and cfg.engine.kv_cache_memory_gb is None
     assert cfg.engine.gpu_memory_utilization == 0.9
     assert all(role.resources.num_gpus == 1 for role in cfg.role_configs().values())
+
+
+def test_dtype_auto_is_half_precision_on_cuda_and_float32_on_cpu(
+        monkeypatch: pytest.MonkeyPatch, tiny_checkpoints: dict[str, str]) -> None:
+    import torch
+
+    from pdserve.cluster.config import engine_config
+
+    engine = engine_config(tiny_checkpoints["llama"])
+    assert engine.dtype == "auto"  # the schema's default
+    assert engine.resolve_dtype(torch.device("cpu")) == torch.float32
+    cuda = torch.device("cuda", 0)
+    for capability, dtype in (((9, 0), torch.bfloat16), ((8, 0), torch.bfloat16),
+                              ((7, 5), torch.float16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d, c=capability: c)
+        assert engine.resolve_dtype(cuda) == dtype
+    assert engine_config(tiny_checkpoints["llama"], dtype="float32").resolve_dtype(
+        cuda) == torch.float32  # an explicit dtype is kept
+    # Staging sized while wiring: two bytes a value where the roles ask for GPUs.
+    path = tiny_checkpoints["llama"]
+    per_token = kv_bytes_per_token(ModelConfig.from_checkpoint(path), "bfloat16")
+    on_gpu = parse_config(config_with(handoff__staging_buffer_mb=None,
+                                      engine__max_num_batched_tokens=4096,
+                                      roles__decode__resources__num_gpus=1,
+                                      roles__prefill__resources__num_gpus=1))
+    assert on_gpu.model.wiring_dtype(on_gpu.engine.device, [1.0]) == "bfloat16"
+    assert on_gpu.to_engine_config(path).handoff_staging_bytes == max(
+        MIN_STAGING_BYTES, per_token * 4096)
+    assert parse_config(config_with()).model.wiring_dtype("auto", [0.0, 0.0]) == "float32"
+
+
+def test_colocated_fractional_gpus_become_the_engine_share() -> None:
+    colocated = parse_config(config_with(mode="colocated", roles__prefill=None,
+                                         roles__decode__resources__num_gpus=0.5,
+                                         handoff__staging_buffer_mb=None))
+    assert colocated.to_engine_config("/m").device_share == 0.5
+    whole = parse_config(config_with(roles__decode__resources__num_gpus=1,
+                                     handoff__staging_buffer_mb=1))
+    assert whole.to_engine_config("/m").device_share == 1.0

@@ -161,4 +161,29 @@ def test_size_flags_override_the_preset_and_bad_shapes_are_refused(tmp_path: Pat
     with pytest.raises(ValueError, match="vocab_size must be >= 259"):
         make_checkpoint(tmp_path / "bad", "llama", "tiny", shape={"vocab_size": 100})
     with pytest.raises(ValueError, match="cannot override"):
-        make_checkpoint(tmp_path / "bad", "llama", "tiny", shape={"max_position_embeddings": 8})
+        make_checkpoint(tmp_path / "bad", "llama", "tiny", shape={"rope_theta": 8})
+    with pytest.raises(ValueError, match="max_position_embeddings must be positive"):
+        make_checkpoint(tmp_path / "bad", "llama", "tiny", shape={"max_position_embeddings": 0})
+
+
+def test_a_longer_context_than_the_preset_admits_a_prompt_of_that_length(
+        tmp_path: Path) -> None:
+    """gpu_check's Llama-3-8B shape sends an 8,192-token prompt; the preset stops at 4,096."""
+    from pdserve.cluster.config import engine_config
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.errors import PromptTooLongError
+    from pdserve.engine.sampling_params import SamplingParams
+
+    assert main_make_model([str(tmp_path / "long"), "--max-position-embeddings", "8256"]) == 0
+    config = json.loads((tmp_path / "long" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 8256
+    once = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for path, admitted in ((tmp_path / "long", True),
+                           (make_checkpoint(tmp_path / "preset", "llama", "tiny"), False)):
+        engine = LLMEngine(engine_config(str(path), num_kv_blocks=600))
+        if admitted:
+            engine.add_request("long", [5] * 8192, once)  # checked on admission; nothing runs
+            assert engine.has_unfinished_requests()
+        else:
+            with pytest.raises(PromptTooLongError, match="8192"):
+                engine.add_request("long", [5] * 8192, once)

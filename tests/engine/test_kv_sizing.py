@@ -56,3 +56,41 @@ def test_a_configured_size_is_a_block_count_or_memory_turned_into_blocks() -> No
     assert "num_kv_blocks" in by_count.reason
     by_memory = kv_budget_from_size(LLAMA3_8B, None, 1.0)
     assert by_memory.num_blocks == GIB // per_block and "1 GiB" in by_memory.reason
+
+
+def test_colocated_replicas_sharing_a_gpu_each_size_kv_from_their_share() -> None:
+    """Two replicas with num_gpus 0.5 on one H200 (140 GiB), 16 GiB of weights each: the one
+    that starts second still finds its share, and together they stay within 0.9 of the device."""
+    total, weights, context, peak = 140 * GIB, 16 * GIB, GIB // 2, 2 * GIB
+    first = kv_budget_from_memory(
+        LLAMA3_8B, DeviceMemory(total, total - weights - context, peak, own_bytes=weights),
+        0.9, staging_bytes=0, device_share=0.5)
+    used_by_first = weights + context + first.kv_bytes
+    second = kv_budget_from_memory(
+        LLAMA3_8B,
+        DeviceMemory(total, total - used_by_first - weights - context, peak, own_bytes=weights),
+        0.9, staging_bytes=0, device_share=0.5)
+    assert first.num_blocks > 0 and second.num_blocks > 0
+    assert "x 0.5 (its share)" in first.reason and "in use by this worker" in first.reason
+    assert first.kv_bytes <= int(total * 0.9 * 0.5) - weights - peak
+    # The second loses at most the first's CUDA context to the device-wide headroom.
+    assert second.kv_bytes >= first.kv_bytes - context - 32 * LLAMA3_8B.block_bytes
+    assert used_by_first + weights + context + second.kv_bytes + 2 * peak <= total * 0.9 + GIB
+    # Each sized from the whole device, the first takes 0.9 of it and the second finds no room.
+    greedy = kv_budget_from_memory(
+        LLAMA3_8B, DeviceMemory(total, total - weights - context, peak), 0.9, staging_bytes=0)
+    with pytest.raises(InvalidRequestError, match="no room"):
+        kv_budget_from_memory(
+            LLAMA3_8B,
+            DeviceMemory(total, total - 2 * (weights + context) - greedy.kv_bytes, peak),
+            0.9, staging_bytes=0)
+
+
+def test_a_share_never_takes_more_than_is_free() -> None:
+    """A replica that starts next to a process using most of the device is capped by what is
+    free, keeping the device-wide headroom."""
+    memory = DeviceMemory(100 * GIB, 20 * GIB, GIB, own_bytes=4 * GIB)
+    budget = kv_budget_from_memory(LLAMA3_8B, memory, 0.9, 0, device_share=0.5)
+    assert budget.kv_bytes <= 20 * GIB - GIB - 10 * GIB
+    assert "capped by the device free memory" in budget.reason
+

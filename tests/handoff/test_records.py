@@ -88,21 +88,39 @@ def test_errors_cross_the_wire_by_code() -> None:
 
 def test_staging_pool_bounds_reuses_and_quarantines() -> None:
     pool = StagingPool(1 << 20)
-    a = pool.try_acquire(300_000)  # class 512 KiB
-    b = pool.try_acquire(200_000)  # class 256 KiB
+    a = pool.try_acquire(300_000)  # class 320 KiB
+    b = pool.try_acquire(200_000)  # class 224 KiB
     assert a is not None and b is not None and a.numel() >= 300_000
-    assert pool.try_acquire(400_000) is None  # 512 + 256 + 512 KiB > 1 MiB
+    assert pool.try_acquire(520_000) is None  # 320 + 224 + 512 KiB > 1 MiB
     pool.release(a)
-    again = pool.try_acquire(262_145)
+    again = pool.try_acquire(299_000)  # the same class
     assert again is not None and again.data_ptr() == a.data_ptr()  # reused, no new pages
     pool.quarantine(b)  # UCX may still touch it: never handed out again
     stats = pool.stats()
-    assert (stats.in_use_bytes, stats.num_quarantined, stats.num_refused) == (512 << 10, 1, 1)
+    assert (stats.in_use_bytes, stats.num_quarantined, stats.num_refused) == (320 << 10, 1, 1)
     fresh = [pool.try_acquire(200_000) for _ in range(2)]
     assert all(f is not None and f.data_ptr() != b.data_ptr() for f in fresh)
     pool.check_integrity()
     with pytest.raises(ValueError):
         pool.release(b)
+
+
+def test_staging_classes_waste_at_most_an_eighth_and_never_exceed_the_capacity() -> None:
+    """handoff.staging_buffer_mb: 12 holds a 12 MiB piece (a power-of-two class of 16 MiB
+    would not fit, and the request would be recomputed)."""
+    mib = 1 << 20
+    pool = StagingPool(12 * mib)
+    assert pool.size_class(12 * mib) == 12 * mib and pool.fits_ever(12 * mib)
+    whole = pool.try_acquire(12 * mib)
+    assert whole is not None and whole.numel() == 12 * mib
+    assert not pool.fits_ever(12 * mib + 1)
+    odd = StagingPool(10 * mib + 5)
+    assert odd.size_class(10 * mib + 3) == 10 * mib + 5  # capped: 11 MiB would not fit
+    for nbytes in (65_537, 3 * mib + 1, 8 * mib + 1, 11 * mib + 12_345, 100 * mib + 7):
+        size = StagingPool(1 << 40).size_class(nbytes)
+        assert nbytes <= size <= nbytes * 9 // 8 + 1, (nbytes, size)
+    # Nearly equal pieces share a class, so their buffers are reused.
+    assert pool.size_class(5 * mib - 1000) == pool.size_class(5 * mib)
 
 
 def test_admission_is_first_come_first_served_and_skips_ended_transfers() -> None:

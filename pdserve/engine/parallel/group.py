@@ -140,7 +140,7 @@ def connect_group(rendezvous: Rendezvous, rank: int, device: torch.device, timeo
     control = _gloo(dist.PrefixStore("control", store), rank, size, rendezvous.host,
                     _CONTROL_TIMEOUT)
     if device.type == "cuda":
-        compute = _nccl(dist.PrefixStore("compute", store), rank, size, timeout)
+        compute = _nccl(dist.PrefixStore("compute", store), rank, size, timeout, device)
     else:
         compute = _gloo(dist.PrefixStore("compute", store), rank, size, rendezvous.host, timeout)
     return CollectiveGroup(rank, size, device, compute, control, store)
@@ -154,13 +154,19 @@ def _gloo(store: dist.Store, rank: int, size: int, host: str,
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
-def _nccl(store: dist.Store, rank: int, size: int,
-          timeout: datetime.timedelta) -> dist.ProcessGroup:
+def _nccl(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+          device: torch.device) -> dist.ProcessGroup:
     if not dist.is_nccl_available():
         raise CollectiveError("tensor parallelism on CUDA needs torch built with NCCL")
+    # NCCL binds its communicator to the current device: make it this rank's before the group.
+    torch.cuda.set_device(device)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, options)
+    group = dist.ProcessGroupNCCL(store, rank, size, options)
+    # NCCL makes its communicator at the first collective: make it here, while joining, so the
+    # KV sizing's profiled step (and its memory figures) does not pay for it.
+    _wait(group.allreduce([torch.zeros(1, device=device)]), "NCCL communicator set-up")
+    return group
 
 
 def _root() -> dist.BroadcastOptions:

@@ -33,7 +33,7 @@ class ShardEngine:
             raise ValueError("rank 0 of a replica runs LLMEngine, not ShardEngine")
         self.config, self.tp = config, tp
         device = config.resolve_device()
-        self.loaded = LoadedModel.load(config.model_path, config.torch_dtype, device,
+        self.loaded = LoadedModel.load(config.model_path, config.resolve_dtype(device), device,
                                        block_size=config.block_size, tp=tp)
         self.device = self.loaded.device
         self.layout = kv_layout_for(self.loaded.config, self.loaded.fingerprint,
