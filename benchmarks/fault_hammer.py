@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +31,41 @@ from tests.support.fault_rounds import RoundResult, greedy_texts, kill_round  # 
 from tests.support.ray_serve import app_config, served_apps_on_local_ray  # noqa: E402
 
 APP = "hammer"
+# Kill tests of the other phases, each a whole pytest run (its own local Ray): they assert
+# every answer right or a clear error and every block back, so a pass is a clean round.
+SCENARIOS = {
+    "a prefill TP rank killed while requests flow":
+        "tests/ranks/test_tp_prefill.py::"
+        "test_a_killed_prefill_rank_ends_requests_cleanly_and_serve_replaces_the_replica",
+    "a decode TP rank killed mid-stream":
+        "tests/ranks/test_tp_handoff.py::"
+        "test_a_killed_decode_rank_ends_its_streams_and_prefill_gets_its_blocks_back",
+    "a prefill replica killed while its requests load from the store":
+        "tests/e2e/test_kv_store_serving.py::"
+        "test_a_prefill_replica_killed_mid_load_loses_no_request_and_no_decode_block",
+    "the peer-pull source killed while the puller waits":
+        "tests/e2e/test_peer_kv.py::test_killing_the_source_mid_pull_computes_the_prefix",
+}
+
+
+def run_scenarios(runs: int) -> tuple[str, bool]:
+    """Each scenario's test ``runs`` times: the table of runs and clean ones, and whether
+    every run was clean."""
+    lines = ["| scenario | runs | clean (right or clear error, blocks back) |", "|---|---|---|"]
+    all_clean = True
+    for name, test in SCENARIOS.items():
+        passed = 0
+        for n in range(1, runs + 1):
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                   test], capture_output=True, text=True, check=False)
+            passed += done.returncode == 0
+            print(f"[{name} {n}/{runs}] {'clean' if done.returncode == 0 else 'FAILED'}",
+                  flush=True)
+            if done.returncode != 0:
+                print(done.stdout[-3000:], flush=True)
+        lines.append(f"| {name} | {runs} | {passed} |")
+        all_clean = all_clean and passed == runs
+    return "\n".join(lines), all_clean
 
 
 def table(results: dict[str, list[RoundResult]], blocks_back: dict[str, int]) -> str:
@@ -49,12 +85,22 @@ def table(results: dict[str, list[RoundResult]], blocks_back: dict[str, int]) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20, help="rounds per fault point")
+    parser.add_argument("--rounds", type=int, default=20,
+                        help="rounds per fault point (0: only --scenarios)")
     parser.add_argument("--requests", type=int, default=4, help="chats in flight per round")
     parser.add_argument("--points", nargs="*", default=sorted(POINTS), choices=sorted(POINTS))
+    parser.add_argument("--scenarios", type=int, default=0, metavar="N",
+                        help="also run each kill test of TP ranks, store loads and peer pulls "
+                             "N times")
     parser.add_argument("--out", type=Path, required=True, help="folder for the results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.scenarios:
+        report, clean = run_scenarios(args.scenarios)
+        print(report)
+        (args.out / "fault_scenarios.md").write_text(report + "\n")
+        if not clean or not args.rounds:
+            return 0 if clean else 1
     results: dict[str, list[RoundResult]] = {p: [] for p in args.points}
     blocks_back = dict.fromkeys(args.points, 0)
     wrong: list[str] = []

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pdserve.faults import POINTS
-from tests.support.fault_rounds import greedy_texts, kill_round
+from tests.support.fault_rounds import faults_app_config, greedy_texts, kill_round
 
 if TYPE_CHECKING:
     from tests.support.ray_serve import ServedApps
@@ -26,11 +26,7 @@ NUM_REQUESTS = 4
 
 @pytest.fixture(scope="module")
 def phases_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
-    from tests.support.ray_serve import app_config
-
-    raw = app_config(tiny_checkpoints["llama"], "disaggregated")
-    raw["handoff"]["timeout_s"] = 8
-    with ray_serve.deploy(APP, raw) as url:
+    with ray_serve.deploy(APP, faults_app_config(tiny_checkpoints["llama"])) as url:
         yield url
 
 

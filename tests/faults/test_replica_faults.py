@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from pdserve.cluster.config import engine_config
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from tests.support.fault_rounds import faults_app_config, greedy_texts, long_conv
 from tests.support.processes import replica_pids
 from tests.support.waiting import wait_for
 
@@ -31,29 +29,15 @@ APP = "faults"
 MAX_TOKENS = 16
 
 
-def long_conv(i: int) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"Request {i}: describe the harbour. " * 25}]
-
-
 @pytest.fixture(scope="module")
 def faults_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
-    from tests.support.ray_serve import app_config
-
-    raw = app_config(tiny_checkpoints["llama"], "disaggregated")
-    raw["handoff"]["timeout_s"] = 8
-    with ray_serve.deploy(APP, raw) as url:
+    with ray_serve.deploy(APP, faults_app_config(tiny_checkpoints["llama"])) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def greedy(tiny_checkpoints: dict[str, str]) -> dict[int, str]:
-    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=256))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    out = {}
-    for i in range(12):
-        ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(long_conv(i)))
-        out[i] = engine.tokenizer.decode(engine.generate([ids], params)[0])
-    return out
+    return greedy_texts(tiny_checkpoints["llama"], 12, MAX_TOKENS)
 
 
 def chat(url: str, i: int, stream: bool = False, timings: bool = False) -> httpx.Response:

@@ -30,14 +30,23 @@ def long_conv(i: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Request {i}: describe the harbour. " * 25}]
 
 
-def greedy_texts(model_path: str, count: int) -> dict[int, str]:
+def faults_app_config(model_path: str) -> dict[str, Any]:
+    """A disaggregated app of one replica per role whose handoffs give up after 8 s."""
+    from tests.support.ray_serve import app_config
+
+    raw = app_config(model_path, "disaggregated")
+    raw["handoff"]["timeout_s"] = 8
+    return raw
+
+
+def greedy_texts(model_path: str, count: int, max_tokens: int = MAX_TOKENS) -> dict[int, str]:
     """One engine's greedy answers to `long_conv(i)`: what every served answer must equal."""
     from pdserve.cluster.config import engine_config
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config(model_path, num_kv_blocks=256))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     prompts = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template(long_conv(i)))
                for i in range(count)]
     return {i: engine.tokenizer.decode(out) for i, out in
