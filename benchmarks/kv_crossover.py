@@ -50,7 +50,7 @@ def measure(tier: str, path: Path, master, lengths: tuple[int, ...], repeats: in
             ) -> list[dict[str, float]]:  # noqa: ANN001
     from pdserve.cluster.config import engine_config
     from pdserve.engine.engine import LLMEngine
-    from pdserve.handoff.mooncake_store import MooncakeBlockStore, MooncakeSettings
+    from pdserve.engine.mooncake_store import MooncakeBlockStore, MooncakeSettings
 
     blocks = max(lengths) // 16 + 2
     host_gb = 0.5 if tier == "host" else 0.0

@@ -1,13 +1,17 @@
 """pdserve's import graph, read from the ast of every module (imports inside functions and
-under TYPE_CHECKING count too): no cycle, and no folder importing one above it.
+under TYPE_CHECKING count too): no cycle, and no folder importing one above it; and what the
+processes load: the ingress no torch, the workers' folders no Ray.
 
-Layers, bottom up (docs/design.md): engine, handoff, {prefill, decode, ranks}, router, cluster,
-bench, the command line. `log`, `replica` and `faults` are leaves every layer may use.
+Layers, bottom up (docs/design.md): engine, {handoff, planes}, {prefill, decode, ranks},
+router, cluster, bench, the command line. `log`, `replica`, `faults` and `auth` are leaves
+every layer may use.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +20,12 @@ import pytest
 import pdserve
 
 PACKAGE = Path(pdserve.__file__).resolve().parent
-LAYERS = {"engine": 0, "handoff": 1, "prefill": 2, "decode": 2, "ranks": 2, "router": 3,
-          "cluster": 4, "bench": 5, "cli": 6}
-LEAVES = {"log", "replica", "faults"}
+LAYERS = {"engine": 0, "handoff": 1, "planes": 1, "prefill": 2, "decode": 2, "ranks": 2,
+          "router": 3, "cluster": 4, "bench": 5, "cli": 6}
+LEAVES = {"log", "replica", "faults", "auth"}
+# Folders whose code Serve deploys or runs in a worker, but which import nothing of Ray: the
+# app builder hands them what they need of it (ranks, replica context).
+RAY_FREE = ("engine", "handoff", "planes", "prefill", "decode")
 
 
 def _modules() -> dict[str, Path]:
@@ -112,6 +119,41 @@ def test_no_folder_imports_one_above_it() -> None:
             if source in LEAVES or not (layer in LEAVES or LAYERS[layer] < LAYERS[source]):
                 upward.append(f"{module} -> {target}")
     assert upward == []
+
+
+def _top_level_imports(path: Path) -> Iterator[str]:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            yield node.module.split(".")[0]
+
+
+def test_the_workers_folders_import_no_ray() -> None:
+    offenders = [module for module, path in _modules().items()
+                 if _layer_of(module) in RAY_FREE and "ray" in set(_top_level_imports(path))]
+    assert offenders == []
+
+
+def test_the_ingress_process_loads_no_torch_and_no_model_code() -> None:
+    """What importing the ingress loads: errors, records and the tokenizer of the engine
+    (torch-free), none of its model, attention or KV code, and no torch."""
+    code = ("import sys, pdserve.router.ingress; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') "
+            "or m.startswith('pdserve.engine.') or m.startswith('pdserve.handoff')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, cwd=PACKAGE.parent)
+    loaded = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert not [m for m in loaded if m.split(".")[0] == "torch"], loaded
+    assert not [m for m in loaded if m.startswith("pdserve.handoff")], loaded
+    assert set(loaded) <= {f"pdserve.engine.{m}" for m in INGRESS_ENGINE_MODULES}, loaded
+
+
+# The engine's torch-free modules the ingress uses: errors, sampling parameters, the
+# tokenizer (and the control tokens it keeps out of text), hashes and KV events of the prefix
+# index, the reuse record and logprobs it reports.
+INGRESS_ENGINE_MODULES = ("errors", "sampling_params", "tokenizer", "control_tokens",
+                          "block_hash", "kv_events", "kv_cost", "logprobs")
 
 
 def test_every_folder_has_a_layer() -> None:

@@ -16,6 +16,7 @@ from ray.serve.config import RequestRouterConfig
 from pdserve.cluster.config import PdserveConfig, load_config, parse_config
 from pdserve.cluster.model_source import resolve_model_path
 from pdserve.cluster.serve_config import role_autoscaling
+from pdserve.cluster.serve_context import ServeReplicaContext
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine.kv_cache import max_model_len_for
 from pdserve.engine.model_config import ModelConfig
@@ -134,7 +135,7 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
     if cfg.mode == "disaggregated":
         prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(
             engine_config, prefill_handoff, cfg.handoff.drain_timeout_s, node_ip, kv_store,
-            rank_settings(cfg, "prefill", prefill_handoff))
+            rank_settings(cfg, "prefill", prefill_handoff), ServeReplicaContext())
     settings = IngressSettings(
         model_path=model_path, served_model_name=cfg.model_name(), max_model_len=max_model_len,
         max_in_flight_requests=cfg.router.max_in_flight_requests,

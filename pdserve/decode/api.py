@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.decode.token_wire import TokenSink
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.planes.token_wire import TokenSink
 
 
 class DecodeCapacityError(RuntimeError):

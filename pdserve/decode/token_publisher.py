@@ -13,7 +13,8 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.decode.token_wire import (
+from pdserve.engine.engine_outputs import RequestOutput
+from pdserve.planes.token_wire import (
     Entry,
     FrameWriter,
     TokenPlaneAuthError,
@@ -22,7 +23,6 @@ from pdserve.decode.token_wire import (
     decode_handshake,
     encode_logprobs,
 )
-from pdserve.engine.engine_outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 

@@ -30,13 +30,13 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import ReceivedKVSlots, RequestOutput
 from pdserve.engine.errors import InconsistentKVError
+from pdserve.engine.mooncake_store import MooncakeSettings, connect_store
 from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode
 from pdserve.faults import FaultPoints
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
-from pdserve.handoff.kv_event_server import serve_engine_events
-from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
 from pdserve.log import configure_logging
+from pdserve.planes.kv_event_server import serve_engine_events
 from pdserve.replica import WorkerLoad, tier_load
 
 logger = logging.getLogger(__name__)

@@ -18,17 +18,13 @@ from typing import Any, Protocol, TypeVar
 
 from pdserve.engine.engine import LayerHook, LLMEngine
 from pdserve.engine.engine_outputs import RequestOutput
-from pdserve.engine.errors import EngineError
+from pdserve.engine.errors import EngineDeadError
 from pdserve.engine.request import RequestMode
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.threads import name_native_thread
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineDeadError(EngineError):
-    """The engine thread crashed; the worker must be restarted."""
 
 
 class StepSink(Protocol):

@@ -22,12 +22,12 @@ from pdserve.engine.kv_cache import (
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.kv_tiers import KVTiers
 from pdserve.engine.loaded_model import LoadedModel
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.memory_profile import describe_engine, plan_kv_cache
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
 from pdserve.engine.random_draws import DrawKey
 from pdserve.engine.request import Request, RequestMode, RequestStatus
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.engine.stop_strings import TextStream

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cost import KVReuse
 from pdserve.engine.kv_tiers import TierStats
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.logprobs import TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,10 @@ class OutOfKVBlocksError(EngineError):
     """A request can never fit: it needs more KV blocks than the whole cache has."""
 
 
+class EngineDeadError(EngineError):
+    """The engine thread crashed; the worker must be restarted."""
+
+
 class InconsistentKVError(EngineError):
     """A request's KV and tokens do not come from one computation (blocks that do not cover
     its prompt, output tokens before its first): it stops with this error instead of

@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
 from pdserve.engine.parallel.step_plan import StepPlan
 from pdserve.engine.random_draws import DrawKey, draw_bits, uniforms_from_bits
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, TokenLogprobs
+from pdserve.engine.sampler import Sampler
 from pdserve.engine.scheduler import SchedulerOutput
 
 

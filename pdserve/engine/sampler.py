@@ -11,17 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Log-probabilities for one sampled token, from the model's raw distribution
-    (before temperature, top-k and top-p), as OpenAI's ``logprobs`` reports them."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the `logprobs` most likely (token_id, logprob), best first
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class StoreUnavailableError(RuntimeError):
 
 
 class BlockStore(Protocol):
-    """A shared store's client as the tier uses it (`handoff/mooncake_store.py`).
+    """A shared store's client as the tier uses it (`engine/mooncake_store.py`).
 
     ``staging`` is a flat uint8 tensor registered with the store: `put` sends rows
     ``[0, len(keys))`` under ``keys``, `get` fills them; both return per key whether it

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pdserve.handoff import auth
+from pdserve import auth
 from pdserve.handoff.errors import (
     HandoffAuthError,
     HandoffCancelledError,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.handoff import auth
+from pdserve import auth
 from pdserve.handoff.liveness import why_gone
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import Frame, Kind, WireError, decode, encode

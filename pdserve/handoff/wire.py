@@ -21,7 +21,7 @@ from typing import Any
 
 import msgpack  # type: ignore[import-untyped]
 
-from pdserve.handoff.auth import MAC_BYTES, check_mac, mac
+from pdserve.auth import MAC_BYTES, check_mac, mac
 
 WIRE_VERSION = 6
 MAGIC = b"PDHO"

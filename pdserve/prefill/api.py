@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.kv_cost import KVReuse
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 

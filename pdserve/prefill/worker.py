@@ -20,6 +20,7 @@ from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import RequestOutput
+from pdserve.engine.mooncake_store import MooncakeSettings, connect_store
 from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode, RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
@@ -32,19 +33,40 @@ from pdserve.handoff import (
     OutboundTransfer,
     SendResult,
 )
-from pdserve.handoff.kv_event_server import serve_engine_events
-from pdserve.handoff.mooncake_store import MooncakeSettings, connect_store
 from pdserve.handoff.rank_sends import route_attachment
 from pdserve.handoff.routes import all_ready, route_tickets
 from pdserve.log import configure_logging
+from pdserve.planes.kv_event_server import serve_engine_events
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
 from pdserve.prefill.peer_kv import PeerPuller, PeerSendRequest, PeerSource, best_source
 from pdserve.prefill.peer_source import send_cached
-from pdserve.prefill.serve_context import own_replica_id, prefill_role_handle
 from pdserve.replica import WorkerLoad, tier_load
 
 logger = logging.getLogger(__name__)
 Routes = list[tuple[int, HandoffTicket]]  # (sender rank, ticket) per route
+
+
+class ReplicaContext(Protocol):
+    """What the worker learns from the framework that runs it (Serve: the app builder hands
+    `cluster.serve_context.ServeReplicaContext`)."""
+
+    def own_replica_id(self) -> str:
+        """This replica's id as the ingress and routers name it ("" outside a framework)."""
+        ...
+
+    def role_handle(self) -> Any:
+        """A handle that calls the prefill role's replicas (peer pulls)."""
+        ...
+
+
+class _Standalone:
+    """Outside Serve: no replica id, no role to pull from."""
+
+    def own_replica_id(self) -> str:
+        return ""
+
+    def role_handle(self) -> Any:
+        raise RuntimeError("a prefill worker outside Serve has no role to pull prefixes from")
 
 
 class RankSends(Protocol):
@@ -70,11 +92,13 @@ class PrefillWorker:
                  drain_timeout_s: float,
                  node_host: Callable[[], str] = lambda: "127.0.0.1",
                  kv_store: MooncakeSettings | None = None,
-                 ranks: RankStarter = ONE_RANK) -> None:
+                 ranks: RankStarter = ONE_RANK,
+                 context: ReplicaContext | None = None) -> None:
         """``drain_timeout_s``: how long a stopping replica waits for its transfers in flight
         (handoff.drain_timeout_s); ``node_host``: this machine's address for other nodes
         (where the KV event plane listens); ``ranks``: starts the replica's tensor-parallel
-        ranks."""
+        ranks; ``context``: its replica id and role handle (None: standalone)."""
+        self.context: ReplicaContext = context if context is not None else _Standalone()
         configure_logging()
         # Before any engine thread starts: threads inherit the binding.
         self.cpu_claim = apply_cpu_settings(engine_config.cpu_affinity, engine_config.num_threads,
@@ -93,7 +117,7 @@ class PrefillWorker:
                 self.engine.tiers.attach_store(client)
         self.events = serve_engine_events(self.engine, handoff_config.auth_token, node_host())
         # Pulls need one rank's whole cache on each side.
-        self.puller = PeerPuller(self.transport, self.engine, prefill_role_handle) \
+        self.puller = PeerPuller(self.transport, self.engine, self.context.role_handle) \
             if engine_config.peer_kv_pull and self.engine.tp.size == 1 else None
         # Both touched only on the engine thread (commands and the layer hook run there).
         # A ticket per route (one per decode rank's head range) and the first block to send
@@ -124,7 +148,7 @@ class PrefillWorker:
         source = None
         if self.puller is not None:
             self.puller.loop = asyncio.get_running_loop()
-            source = best_source(request.peer_prefixes, own_replica_id())
+            source = best_source(request.peer_prefixes, self.context.own_replica_id())
         try:
             await self.async_engine.call(lambda: self._admit(rid, tickets, first_block, source))
             await self.async_engine.call(lambda: self.engine.add_request(
@@ -182,7 +206,7 @@ class PrefillWorker:
         """Another prefill worker pulls a prefix this one caches (`peer_kv.send_cached`).
         A call meant for another replica (gone, so the router chose another) is refused:
         peer_gone."""
-        if ask.pinned_replica != own_replica_id():
+        if ask.pinned_replica != self.context.own_replica_id():
             return "peer_gone"
         return await send_cached(self.async_engine, self.sender, ask)
 

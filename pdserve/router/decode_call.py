@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdserve.decode.api import DecodeEvent, DecodeRequest, HandoffFailed, KVArrived
-from pdserve.decode.token_wire import TokenPlaneError
+from pdserve.planes.token_wire import TokenPlaneError
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.timings import RequestTrace
 from pdserve.router.token_plane import TokenPlane

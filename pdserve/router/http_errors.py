@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.engine.async_engine import EngineDeadError
 from pdserve.engine.errors import (
+    EngineDeadError,
     EngineError,
     InvalidRequestError,
     OutOfKVBlocksError,

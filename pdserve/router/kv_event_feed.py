@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.block_hash import hash_full_blocks
-from pdserve.handoff.kv_event_wire import (
+from pdserve.planes.kv_event_wire import (
     EventBatch,
     FrameReader,
     KVEventPlaneError,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.protocol_responses import (
     ChoiceLogprobs,

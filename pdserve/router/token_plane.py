@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.decode.token_wire import (
+from pdserve.engine.kv_cost import KVReuse
+from pdserve.planes.token_wire import (
     Entry,
     FrameReader,
     TokenPlaneError,
@@ -23,7 +24,6 @@ from pdserve.decode.token_wire import (
     decode_logprobs,
     ingress_handshake,
 )
-from pdserve.engine.kv_cost import KVReuse
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import ServiceUnavailableError
 

@@ -12,9 +12,9 @@ import pytest
 
 from pdserve.cluster.config import engine_config
 from pdserve.decode.api import DecodeCapacityError, DecodeRequest
-from pdserve.decode.token_wire import TokenSink
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.planes.token_wire import TokenSink
 from pdserve.replica import WorkerLoad
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

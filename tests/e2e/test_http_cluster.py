@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from tests.support.metrics import metric_value

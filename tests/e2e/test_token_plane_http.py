@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from pdserve.cluster.config import engine_config
-from pdserve.decode.token_wire import decode_handshake
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.planes.token_wire import decode_handshake
 from pdserve.router.sse import split_sse_data
 
 if TYPE_CHECKING:

@@ -9,10 +9,11 @@ import threading
 import pytest
 
 from pdserve.cluster.config import engine_config
-from pdserve.engine.async_engine import AsyncEngine, EngineDeadError, merge_outputs
+from pdserve.engine.async_engine import AsyncEngine, merge_outputs
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_outputs import RequestOutput
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.errors import EngineDeadError
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 PROMPT = list(range(20, 60))

@@ -25,8 +25,8 @@ pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not in
                     "(pip install mooncake-transfer-engine-non-cuda)")
 
 from pdserve.cluster.kv_store_master import StoreMaster, start_master, stop_master  # noqa: E402
+from pdserve.engine.mooncake_store import MooncakeBlockStore, MooncakeSettings  # noqa: E402
 from pdserve.engine.store_tier import StoreDone, StoreKVTier  # noqa: E402
-from pdserve.handoff.mooncake_store import MooncakeBlockStore, MooncakeSettings  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

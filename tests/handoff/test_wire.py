@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.handoff import auth
+from pdserve import auth
 from pdserve.handoff.wire import (
     CONTROL_TAG,
     MAX_FRAME_BYTES,

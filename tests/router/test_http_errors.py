@@ -233,7 +233,7 @@ def test_foreign_errors_answer_a_public_message_and_log_the_detail(
 
 def test_a_dead_engine_answers_503_and_keeps_its_cause_in_the_log(
         caplog: pytest.LogCaptureFixture) -> None:
-    from pdserve.engine.async_engine import EngineDeadError
+    from pdserve.engine.errors import EngineDeadError
 
     crash = "engine thread died: CollectiveError('all-reduce failed: [10.1.2.3]:4242 closed')"
     with caplog.at_level(logging.WARNING, logger="pdserve.router.http_errors"):

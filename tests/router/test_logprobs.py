@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.logprobs import LogprobsFormatter
 

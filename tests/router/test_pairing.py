@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.engine.block_hash import hash_full_blocks
 from pdserve.engine.kv_events import EventKind, Tier
-from pdserve.handoff.kv_event_wire import WorkerIdentity
+from pdserve.planes.kv_event_wire import WorkerIdentity
 from pdserve.replica import WorkerLoad
 from pdserve.router.pairing import (
     KVHeadroom,

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from pdserve.decode.token_publisher import IngressGoneError, TokenPublisher
-from pdserve.decode.token_wire import FrameWriter, decode_handshake
 from pdserve.engine.engine_outputs import RequestOutput
+from pdserve.planes.token_wire import FrameWriter, decode_handshake
 from pdserve.router.token_plane import (
     DecodeGoneError,
     InconsistentOutputError,
@@ -171,7 +171,7 @@ def test_an_ingress_that_goes_away_ends_the_requests_streaming_to_it() -> None:
 def test_an_ingress_that_stops_reading_ends_its_requests_not_the_engine() -> None:
     async def test(_plane: TokenPlane, publisher: TokenPublisher) -> None:
         # An ingress that proves itself and then never reads a byte.
-        from pdserve.decode.token_wire import TokenSink, ingress_handshake
+        from pdserve.planes.token_wire import TokenSink, ingress_handshake
 
         stalled: list[asyncio.StreamWriter] = []
 

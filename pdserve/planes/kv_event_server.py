@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv_events import KVEvent, KVEventLog
 from pdserve.engine.threads import name_native_thread
-from pdserve.handoff.kv_event_wire import (
+from pdserve.planes.kv_event_wire import (
     FrameWriter,
     KVEventPlaneError,
     WorkerIdentity,

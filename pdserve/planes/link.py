@@ -15,7 +15,7 @@ import hmac
 import struct
 from dataclasses import dataclass
 
-from pdserve.handoff import auth
+from pdserve import auth
 
 _CONNECTOR_PROOF, _LISTENER_PROOF, _KEY = 1, 2, 0  # session ids: one proof per direction
 _HEADER = struct.Struct("<IQ")  # payload length, sequence number

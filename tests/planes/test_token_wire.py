@@ -8,7 +8,9 @@ import asyncio
 import msgpack
 import pytest
 
-from pdserve.decode.token_wire import (
+from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.planes.link import HEADER_BYTES
+from pdserve.planes.token_wire import (
     FrameReader,
     FrameWriter,
     TokenPlaneAuthError,
@@ -18,8 +20,6 @@ from pdserve.decode.token_wire import (
     encode_logprobs,
     ingress_handshake,
 )
-from pdserve.engine.sampler import TokenLogprobs
-from pdserve.handoff.plane_link import HEADER_BYTES
 
 KEY = bytes(range(32))
 ENTRY = ["req-1", [5, 6], "héllo", None, 2, 0, None, None, -1]

@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.kv_events import KVEventLog, Tier
-from pdserve.handoff.kv_event_server import KVEventServer
-from pdserve.handoff.kv_event_wire import WorkerIdentity
+from pdserve.planes.kv_event_server import KVEventServer
+from pdserve.planes.kv_event_wire import WorkerIdentity
 from pdserve.router.kv_event_feed import KVEventFeed
 
 TOKEN = "kv-events-test-token-0123456789"

@@ -2,7 +2,7 @@
 each engine step's new tokens for that ingress travel as one MAC'd msgpack frame.
 
 The ingress listens; a decode replica connects. The handshake and the numbered, MAC'd
-frames are `handoff/plane_link.py`'s, under this plane's labels.
+frames are `planes/link.py`'s, under this plane's labels.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 
 import msgpack
 
-from pdserve.engine.sampler import TokenLogprobs
-from pdserve.handoff import auth
-from pdserve.handoff.plane_link import (
+from pdserve import auth
+from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.planes.link import (
     MacFramer,
     MacFrameReader,
     PlaneProtocol,

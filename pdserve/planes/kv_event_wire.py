@@ -15,9 +15,9 @@ from typing import Any
 
 import msgpack
 
+from pdserve import auth
 from pdserve.engine.kv_events import EventKind, KVEvent, KVSnapshot, Tier
-from pdserve.handoff import auth
-from pdserve.handoff.plane_link import (
+from pdserve.planes.link import (
     MacFramer,
     MacFrameReader,
     PlaneProtocol,
