@@ -41,11 +41,12 @@ def test_the_longest_other_holder_is_the_source() -> None:
 def test_the_source_refuses_what_it_cannot_send_and_pins_nothing(
         tiny_checkpoints: dict[str, str]) -> None:
     engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=32))
+    prompt = list(range(3, 70))
+    # Before the engine thread starts: it would step the engine too, taking the answer.
+    engine_tokens = engine.generate([prompt], SamplingParams(max_tokens=1))  # caches 4
+    assert engine_tokens and engine.kv_manager.num_cached_blocks >= 4
     async_engine = AsyncEngine(engine)
     try:
-        prompt = list(range(3, 70))
-        engine_tokens = engine.generate([prompt], SamplingParams(max_tokens=1))  # caches 4
-        assert engine_tokens and engine.kv_manager.num_cached_blocks >= 4
         ticket = HandoffTicket("r/peer", 7, b"addr", 1, "host", 2, 32,
                                ticket_bytes(engine, 2),
                                1 << 20, time.time() + 30, engine.layout).to_dict()
