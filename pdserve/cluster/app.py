@@ -43,7 +43,7 @@ def handoff_config(cfg: PdserveConfig, token: str, model_path: str) -> HandoffCo
         auth_token=token, timeout_s=cfg.handoff.timeout_s,
         sender_staging_bytes=staging, receiver_staging_bytes=staging,
         max_piece_bytes=min(MAX_PIECE_BYTES, staging),
-        net_devices=cfg.handoff.net_devices,
+        net_devices=cfg.handoff.net_devices, ucx_transports=cfg.handoff.ucx_transports,
     )
 
 

@@ -33,6 +33,8 @@ DEFAULT_KV_CACHE_MEMORY_GB = 0.5
 # handoff.staging_buffer_mb's default never goes below this: smaller, a piece is mostly its
 # fixed cost (a header, a message, thread hops), and even a tiny model's step fits a few.
 MIN_STAGING_BYTES = 1 << 20
+# UCX_TLS's syntax: transport names, comma-separated, optionally all negated by a leading '^'.
+UCX_TRANSPORTS_PATTERN = r"^\^?[a-z][a-z0-9_]*(,[a-z][a-z0-9_]*)*$"
 
 
 class Section(BaseModel):
@@ -265,6 +267,13 @@ class HandoffSection(Section):
         "'mlx5_0:1' or 'eth0'); default: UCX picks, and its TCP transport listens on every "
         "interface's address. 'lo' keeps it on loopback (one machine; shared memory needs no "
         "device). Peers connect by the worker address in each ticket: no listen address to set.")
+    ucx_transports: str = Field(
+        "^cma", pattern=UCX_TRANSPORTS_PATTERN, description="UCX transports for KV "
+        "(UCX_TLS): a comma-separated list of UCX transport names, or '^' and the ones to "
+        "leave out. '^cma' (every transport but CMA, whose reads of a killed sender abort the "
+        "receiver) lets UCX use shared memory between workers that share a host's network, IPC "
+        "and mount namespaces and TCP or RDMA between hosts. 'tcp' forces TCP everywhere, e.g. "
+        "where containers of one machine look like one host to UCX but cannot share memory.")
     staging_buffer_mb: float | None = Field(
         None, gt=0, description="Per-worker staging for KV pieces in flight (sender and "
         "receiver each), in MiB. It bounds bytes in flight, not a prompt: pieces stream "
