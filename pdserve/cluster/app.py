@@ -158,7 +158,7 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
     # queue (nor in a proxy's, with http.frontend: proxy) and /health never waits behind it.
     ingress = serve.deployment(
         serve.ingress()(Ingress), name="ingress", num_replicas=cfg.router.replicas,
-        ray_actor_options={"num_cpus": cfg.router.num_cpus},
+        ray_actor_options=cfg.router.ray_actor_options(),
         max_ongoing_requests=INGRESS_UNBOUNDED_REQUESTS, max_queued_requests=-1,
     )
     return ingress.bind(decode, prefill, settings)

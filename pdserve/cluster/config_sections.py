@@ -13,6 +13,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PositiveFloat,
     SecretStr,
     field_validator,
     model_validator,
@@ -243,6 +244,27 @@ class RouterSection(Section):
         None, description="Allowed prefill:decode replica ratio while autoscaling.")
     replicas: int = Field(1, ge=1, description="Ingress (HTTP) replicas.")
     num_cpus: float = Field(0.0, ge=0, description="Logical CPUs reserved per ingress replica.")
+    custom_resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description="Custom Ray resources per ingress replica, e.g. "
+        "{pd_head: 1}: the ingress (the HTTP address clients use) then runs only on nodes "
+        "started with --resources '{\"pd_head\": N}'; default: any node.")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray node labels an ingress replica's node must carry "
+        "(label selector); an alternative to custom_resources.")
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """Ray Serve's ``ray_actor_options`` for an ingress replica: where it may run."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.custom_resources:
+            options["resources"] = dict(self.custom_resources)
+        if self.node_labels:
+            options["label_selector"] = dict(self.node_labels)
+        return options
+
+    def demand(self) -> dict[str, float]:
+        """What every ingress replica together asks of the cluster."""
+        return {name: amount * self.replicas
+                for name, amount in {"CPU": self.num_cpus, **self.custom_resources}.items()}
 
 
 class HandoffSection(Section):

@@ -50,8 +50,7 @@ def start(cfg: PdserveConfig, address: str = "local",
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     if check_fit:
         # Refuse before anything starts; Serve would otherwise leave replicas pending forever.
-        check_fits_cluster(cfg.replica_plan(), ray.cluster_resources(),
-                           {"CPU": cfg.router.replicas * cfg.router.num_cpus})
+        check_fits_cluster(cfg.replica_plan(), ray.cluster_resources(), cfg.router.demand())
     if band_applies(cfg):
         if data is None:
             raise ValueError("a config with router.ratio_band needs its raw mapping (data=...)")
