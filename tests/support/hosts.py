@@ -50,6 +50,21 @@ def skip_reason() -> str | None:
     return None
 
 
+def netem_missing() -> str | None:
+    """Why `tc netem` (delay, loss) cannot run here, or None: some kernels lack sch_netem."""
+    probe = f"pdnetem{os.getpid()}"
+    _sh("ip", "netns", "add", probe)  # a veth of its own, gone with the namespace
+    try:
+        _sh("ip", "-n", probe, "link", "add", "qa", "type", "veth", "peer", "name", "qb")
+        done = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "qa",
+                               "root", "netem", "delay", "1ms"], capture_output=True, text=True)
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if done.returncode != 0:
+        return f"this kernel has no netem qdisc (sch_netem): {done.stderr.strip()}"
+    return None
+
+
 def _sh(*argv: str) -> None:
     done = subprocess.run(argv, capture_output=True, text=True)
     if done.returncode != 0:
@@ -129,13 +144,22 @@ class Host:
         _sh("ip", "link", "set", self.veth, "up" if up else "down")
 
     def set_netem(self, delay_ms: float = 0.0, loss_pct: float = 0.0) -> None:
-        """Delay (and lose) packets each way on this host's link; zero both to clear."""
-        args = ["netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%"]
+        """Delay (and lose) packets each way on this host's link (`netem`; kernels without it
+        raise: `netem_missing` says so first); no argument clears it."""
+        self._set_qdisc(["netem", "delay", f"{delay_ms}ms", "loss", f"{loss_pct}%"]
+                        if delay_ms or loss_pct else None)
+
+    def set_rate(self, kbit: int | None) -> None:
+        """Cap this host's link at ``kbit`` kbit/s each way (`tbf`); None clears it."""
+        self._set_qdisc(None if kbit is None else
+                        ["tbf", "rate", f"{kbit}kbit", "burst", "16kb", "latency", "10s"])
+
+    def _set_qdisc(self, qdisc: list[str] | None) -> None:
         for prefix, dev in (([], self.veth), (self.nsenter(), IFNAME)):
             subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"],
                            capture_output=True)
-            if delay_ms or loss_pct:
-                _sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", *args)
+            if qdisc is not None:
+                _sh(*prefix, "tc", "qdisc", "add", "dev", dev, "root", *qdisc)
 
     def link_bytes(self) -> tuple[int, int]:
         """Bytes (received, sent) by this host over its link, read at the bridge side."""
