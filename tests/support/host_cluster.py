@@ -5,6 +5,7 @@ each with its own --node-ip-address, then `pdserve serve CONFIG --address` on h0
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -87,6 +88,12 @@ class HostCluster:
         except httpx.HTTPError as exc:
             return None, str(exc)
         return r.status_code, r.text
+
+    def kv_stats(self) -> dict[str, Any]:
+        """Every role's KV block and tier counts, asked through Serve by a driver on h0."""
+        done = self.head.run([sys.executable, "-m", "tests.support.kv_stats_probe",
+                              self.gcs_address], self.env, timeout_s=90, cwd=str(REPO))
+        return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
     def metrics(self) -> str:
         r = httpx.get(f"{self.url}/metrics", timeout=10)

@@ -102,10 +102,10 @@ class Host:
         return proc
 
     def run(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-            timeout_s: float = 120.0) -> subprocess.CompletedProcess[str]:
+            timeout_s: float = 120.0, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` on this host to its end; RuntimeError with its output if it fails."""
         done = subprocess.run([*self.nsenter(), *argv], env=dict(env or os.environ),
-                              capture_output=True, text=True, timeout=timeout_s,
+                              capture_output=True, text=True, timeout=timeout_s, cwd=cwd,
                               stdin=subprocess.DEVNULL, start_new_session=True)
         if done.returncode != 0:
             raise RuntimeError(f"{argv[0]} on {self.name} failed ({done.returncode}):\n"
