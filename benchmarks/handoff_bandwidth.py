@@ -45,6 +45,7 @@ Rates = dict[int, tuple[float, float]]  # size in MiB -> (GB/s, ms)
 BENCH_CONFIG: dict[str, Any] = {
     "auth_token": "bench-secret", "receiver_staging_bytes": 512 * MIB,
     "sender_staging_bytes": 512 * MIB, "timeout_s": 60.0, "net_devices": None,
+    "ucx_transports": "^cma",
 }
 
 

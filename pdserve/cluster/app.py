@@ -44,7 +44,7 @@ def handoff_config(cfg: PdserveConfig, token: str, model_path: str) -> HandoffCo
         auth_token=token, timeout_s=cfg.handoff.timeout_s,
         sender_staging_bytes=staging, receiver_staging_bytes=staging,
         max_piece_bytes=min(MAX_PIECE_BYTES, staging),
-        net_devices=cfg.handoff.net_devices,
+        net_devices=cfg.handoff.net_devices, ucx_transports=cfg.handoff.ucx_transports,
     )
 
 
@@ -159,7 +159,7 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
     # queue (nor in a proxy's, with http.frontend: proxy) and /health never waits behind it.
     ingress = serve.deployment(
         serve.ingress()(Ingress), name="ingress", num_replicas=cfg.router.replicas,
-        ray_actor_options={"num_cpus": cfg.router.num_cpus},
+        ray_actor_options=cfg.router.ray_actor_options(),
         max_ongoing_requests=INGRESS_UNBOUNDED_REQUESTS, max_queued_requests=-1,
     )
     return ingress.bind(decode, prefill, settings)

@@ -13,6 +13,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PositiveFloat,
     SecretStr,
     field_validator,
     model_validator,
@@ -33,6 +34,8 @@ DEFAULT_KV_CACHE_MEMORY_GB = 0.5
 # handoff.staging_buffer_mb's default never goes below this: smaller, a piece is mostly its
 # fixed cost (a header, a message, thread hops), and even a tiny model's step fits a few.
 MIN_STAGING_BYTES = 1 << 20
+# UCX_TLS's syntax: transport names, comma-separated, optionally all negated by a leading '^'.
+UCX_TRANSPORTS_PATTERN = r"^\^?[a-z][a-z0-9_]*(,[a-z][a-z0-9_]*)*$"
 
 
 class Section(BaseModel):
@@ -251,6 +254,27 @@ class RouterSection(Section):
         None, description="Allowed prefill:decode replica ratio while autoscaling.")
     replicas: int = Field(1, ge=1, description="Ingress (HTTP) replicas.")
     num_cpus: float = Field(0.0, ge=0, description="Logical CPUs reserved per ingress replica.")
+    custom_resources: dict[str, PositiveFloat] = Field(
+        default_factory=dict, description="Custom Ray resources per ingress replica, e.g. "
+        "{pd_head: 1}: the ingress (the HTTP address clients use) then runs only on nodes "
+        "started with --resources '{\"pd_head\": N}'; default: any node.")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict, description="Ray node labels an ingress replica's node must carry "
+        "(label selector); an alternative to custom_resources.")
+
+    def ray_actor_options(self) -> dict[str, Any]:
+        """Ray Serve's ``ray_actor_options`` for an ingress replica: where it may run."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus}
+        if self.custom_resources:
+            options["resources"] = dict(self.custom_resources)
+        if self.node_labels:
+            options["label_selector"] = dict(self.node_labels)
+        return options
+
+    def demand(self) -> dict[str, float]:
+        """What every ingress replica together asks of the cluster."""
+        return {name: amount * self.replicas
+                for name, amount in {"CPU": self.num_cpus, **self.custom_resources}.items()}
 
 
 class HandoffSection(Section):
@@ -275,6 +299,13 @@ class HandoffSection(Section):
         "'mlx5_0:1' or 'eth0'); default: UCX picks, and its TCP transport listens on every "
         "interface's address. 'lo' keeps it on loopback (one machine; shared memory needs no "
         "device). Peers connect by the worker address in each ticket: no listen address to set.")
+    ucx_transports: str = Field(
+        "^cma", pattern=UCX_TRANSPORTS_PATTERN, description="UCX transports for KV "
+        "(UCX_TLS): a comma-separated list of UCX transport names, or '^' and the ones to "
+        "leave out. '^cma' (every transport but CMA, whose reads of a killed sender abort the "
+        "receiver) lets UCX use shared memory between workers that share a host's network, IPC "
+        "and mount namespaces and TCP or RDMA between hosts. 'tcp' forces TCP everywhere, e.g. "
+        "where containers of one machine look like one host to UCX but cannot share memory.")
     staging_buffer_mb: float | None = Field(
         None, gt=0, description="Per-worker staging for KV pieces in flight (sender and "
         "receiver each), in MiB. It bounds bytes in flight, not a prompt: pieces stream "

@@ -50,8 +50,7 @@ def start(cfg: PdserveConfig, address: str = "local",
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     if check_fit:
         # Refuse before anything starts; Serve would otherwise leave replicas pending forever.
-        check_fits_cluster(cfg.replica_plan(), ray.cluster_resources(),
-                           {"CPU": cfg.router.replicas * cfg.router.num_cpus})
+        check_fits_cluster(cfg.replica_plan(), ray.cluster_resources(), cfg.router.demand())
     if band_applies(cfg):
         if data is None:
             raise ValueError("a config with router.ratio_band needs its raw mapping (data=...)")
@@ -137,12 +136,23 @@ async def _drain_replicas(handle: Any, num_replicas: int, timeout_s: float) -> N
             return
 
 
-def with_store_master(cfg: PdserveConfig) -> tuple[PdserveConfig, StoreMaster | None]:
-    """``cfg`` with a local Mooncake master's addresses when kv_store is on without one
-    (the master started here; the caller stops it)."""
+def master_host(cfg: PdserveConfig, address: str) -> str:
+    """Where a master `pdserve serve` starts listens: loopback for its private local Ray,
+    this node's address (what other nodes reach) when it joined a cluster."""
+    if address != "local":
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    return cfg.http.host if cfg.http.host in LOOPBACK_HOSTS else "127.0.0.1"
+
+
+def with_store_master(cfg: PdserveConfig, host: str | None = None
+                      ) -> tuple[PdserveConfig, StoreMaster | None]:
+    """``cfg`` with the addresses of a Mooncake master started here on ``host`` (default:
+    loopback) when kv_store is on without one; the caller stops it."""
     if not cfg.kv_store.enabled or cfg.kv_store.master_address is not None:
         return cfg, None
-    master = start_master(cfg.http.host if cfg.http.host in LOOPBACK_HOSTS else "127.0.0.1")
+    master = start_master(host or master_host(cfg, "local"))
     store = cfg.kv_store.model_copy(update={"master_address": master.rpc_address,
                                             "metadata_server": master.metadata_server})
     print(f"pdserve started a Mooncake Store master at {master.rpc_address}", flush=True)
@@ -156,7 +166,9 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
         follow_supervisor()
     data, source = read_config_data(config_path)
     cfg = parse_config(data, source)
-    cfg, master = with_store_master(cfg)
+    init_ray(cfg, address)
+    # After ray.init: a master for a joined cluster listens on this node's address.
+    cfg, master = with_store_master(cfg, master_host(cfg, address))
     try:
         return _serve(cfg, data, address, check_fit)
     finally:
@@ -165,7 +177,6 @@ def serve(config_path: str | None, address: str = "local", check_fit: bool = Tru
 
 
 def _serve(cfg: PdserveConfig, data: Any, address: str, check_fit: bool) -> int:
-    init_ray(cfg, address)
     import ray
 
     stop = threading.Event()

@@ -24,10 +24,11 @@ class HandoffConfig:
 
     ``auth_token`` is the cluster's shared secret: peers prove they know it (HMAC challenge,
     never sent in clear) before any transfer is accepted. ``timeout_s`` is a transfer's
-    deadline when `reserve` is given none. ``host_id`` overrides this machine's identity
-    (hostname and boot id), which decides whether a peer counts as local: local endpoints run
-    without UCX error handling (shared memory) and local peers' processes are checked for
-    liveness directly.
+    deadline when `reserve` is given none. ``ucx_transports`` is UCX_TLS (``^cma``: every
+    transport but CMA; ``tcp`` forces TCP). ``host_id`` overrides this host's identity
+    (`transport.host_identity`: what processes can share), which decides whether a peer counts
+    as local: local endpoints run without UCX error handling (shared memory) and local peers'
+    processes are checked for liveness directly.
     """
 
     auth_token: str
@@ -35,6 +36,7 @@ class HandoffConfig:
     receiver_staging_bytes: int
     sender_staging_bytes: int
     net_devices: str | None
+    ucx_transports: str
     max_piece_bytes: int = MAX_PIECE_BYTES
     heartbeat_interval_s: float = 0.5
     peer_timeout_s: float = 5.0
@@ -45,7 +47,6 @@ class HandoffConfig:
     # transport of this one and the scatter of the last overlap (a 16 MiB prompt: 4 pieces).
     min_piece_bytes: int = 4 * MIB
     finished_ttl_s: float = 60.0
-    ucx_tls: str | None = None
     host_id: str | None = None
 
     def __post_init__(self) -> None:
@@ -72,7 +73,7 @@ class HandoffConfig:
     def ucx_options(self) -> dict[str, str]:
         """Options for ``ucxx.init`` (UCX config names without the ``UCX_`` prefix)."""
         options = {"RNDV_THRESH": "8192", "MEMTYPE_CACHE": "n", "WARN_UNUSED_ENV_VARS": "n",
-                   "TLS": self.ucx_tls or "^cma"}
+                   "TLS": self.ucx_transports}
         if self.net_devices:
             options["NET_DEVICES"] = self.net_devices
         return options

@@ -32,14 +32,26 @@ CONTROL_RING = 16  # control-frame receives kept posted (64 KiB each)
 FrameHandler = Callable[[Kind, bytes], None]
 
 
+# What two processes must share to reach each other's memory and loopback: two containers
+# (pods) of one machine share its hostname and boot id but none of these.
+SHARED_NAMESPACES = ("net", "ipc", "mnt")
+
+
 def host_identity() -> str:
-    """Same string for every process of one machine (boot), different across machines."""
+    """Same string for processes that can share memory and loopback (one machine's boot, one
+    network, IPC and mount namespace), different across machines and across containers."""
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             boot = f.read().strip()
     except OSError:
         boot = "no-boot-id"
-    return f"{socket.gethostname()}/{boot}"
+    namespaces = []
+    for kind in SHARED_NAMESPACES:
+        try:
+            namespaces.append(os.readlink(f"/proc/self/ns/{kind}"))
+        except OSError:  # no procfs namespaces: the machine is all there is to tell
+            namespaces.append(f"{kind}:?")
+    return "/".join([socket.gethostname(), boot, *namespaces])
 
 
 def _ucx_buffer(buffer: torch.Tensor | np.ndarray) -> Any:

@@ -57,8 +57,8 @@ class InProcessRank:
 @pytest.fixture(scope="module")
 def transport() -> Iterator[HandoffTransport]:
     config = HandoffConfig(auth_token="s3cret", timeout_s=30.0, net_devices=None,
-                           receiver_staging_bytes=1 << 20, sender_staging_bytes=1 << 20,
-                           max_piece_bytes=1 << 20)
+                           ucx_transports="^cma", receiver_staging_bytes=1 << 20,
+                           sender_staging_bytes=1 << 20, max_piece_bytes=1 << 20)
     transport = HandoffTransport(config).start()
     yield transport
     transport.stop()

@@ -22,6 +22,7 @@ TEST_CONFIG: dict[str, Any] = {
     "auth_token": "test-cluster-secret",
     "timeout_s": 10.0,
     "net_devices": None,
+    "ucx_transports": "^cma",
     "heartbeat_interval_s": 0.2,
     "peer_timeout_s": 1.5,
     "handshake_timeout_s": 5.0,

@@ -62,13 +62,13 @@ def test_ticket_dicts_are_checked_field_by_field() -> None:
 
 def _config(**changes: Any) -> HandoffConfig:
     values: dict[str, Any] = {"auth_token": "s3cret", "timeout_s": 30.0, "net_devices": None,
-                              "receiver_staging_bytes": 64 << 20,
+                              "ucx_transports": "^cma", "receiver_staging_bytes": 64 << 20,
                               "sender_staging_bytes": 64 << 20}
     return HandoffConfig(**(values | changes))
 
 
 def test_config_checks_its_bounds_and_builds_ucx_options() -> None:
-    config = _config(ucx_tls="tcp,self", net_devices="eth0")
+    config = _config(ucx_transports="tcp,self", net_devices="eth0")
     assert config.ucx_options()["TLS"] == "tcp,self" and config.ucx_options()["NET_DEVICES"]
     assert config.ucx_options()["RNDV_THRESH"] == "8192"
     assert _config().ucx_options()["TLS"] == "^cma"
