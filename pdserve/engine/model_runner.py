@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
 from pdserve.engine.parallel.step_plan import StepPlan
 from pdserve.engine.random_draws import DrawKey, draw_bits, uniforms_from_bits
@@ -54,6 +55,8 @@ class ModelRunner:
         self.device = device
         self.tp: TPGroup = getattr(model, "tp", SINGLE_RANK)
         self.sampler = Sampler()
+        # Set by the engine: the matchers of requests that follow a grammar.
+        self.grammars: GrammarMasks | None = None
         # Rank 0's worker: per request id, plain data the other ranks' workers need this step.
         self.attach: Callable[[SchedulerOutput], dict[str, Any]] | None = None
 
@@ -135,6 +138,7 @@ class ModelRunner:
             [r.sampling_params for r in requests],
             batch.sample_uniforms,
             [r.output_token_ids for r in requests],
+            self.grammars.fill(requests) if self.grammars is not None else None,
         )
         ids = [r.request_id for r in requests]
         logprobs = (

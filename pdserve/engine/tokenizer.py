@@ -101,6 +101,10 @@ class Tokenizer:
         self._token_bytes: dict[int, bytes] = {
             token_id: added.content.encode()
             for token_id, added in backend.get_added_tokens_decoder().items()}
+        # Control tokens (<|im_end|>, ...): a grammar never lets one stand for its text.
+        self.special_token_ids = frozenset(
+            token_id for token_id, added in backend.get_added_tokens_decoder().items()
+            if added.special)
         self._max_token_bytes: int | None = None
 
     @classmethod

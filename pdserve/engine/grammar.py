@@ -1,0 +1,139 @@
+"""Grammars from specs (xgrammar): a tokenizer-free check for the ingress, and each worker's
+compiler that compiles off the engine thread and caches by spec, so a repeat compiles nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import xgrammar as xgr
+
+from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.grammar_spec import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, GrammarSpec
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars a worker keeps (least recently used go first): a typical schema's takes
+# tens of kilobytes.
+MAX_CACHED_GRAMMARS = 512
+_CONTROL = re.compile(rb"[\x00-\x09\x0b-\x1f]")
+
+
+def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
+    """The spec's grammar, independent of any tokenizer. JSON comes compact (no whitespace
+    between tokens): free whitespace lets a model wander without ever closing the value.
+    Raises InvalidRequestError saying why a schema cannot be turned into a grammar."""
+    try:
+        value = xgr.Grammar.from_json_schema(spec.source or '{"type": "object"}',
+                                             any_whitespace=False, strict_mode=True)
+        if spec.kind != "tool_call":
+            return value
+        return xgr.Grammar.concat(_literal(TOOL_CALL_OPEN), value, _literal(TOOL_CALL_CLOSE))
+    except (RuntimeError, ValueError, TypeError, xgr.InvalidJSONError) as exc:
+        raise InvalidRequestError(f"the JSON schema cannot be used for constrained output: "
+                                  f"{_first_line(exc)}") from exc
+
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """Raises InvalidRequestError when the spec cannot become a grammar (what the ingress
+    checks before any work is queued; workers then compile the same grammar)."""
+    build_grammar(spec)
+
+
+def _literal(text: str) -> xgr.Grammar:
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return xgr.Grammar.from_ebnf(f'root ::= "{escaped}"')
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def grammar_vocabulary(vocab_size: int, num_tokens: int, token_bytes: Callable[[int], bytes],
+                       special_token_ids: frozenset[int]) -> list[bytes]:
+    """Each of the model's ``vocab_size`` tokens as bytes, as the grammar sees them: control
+    tokens as no bytes (the grammar library treats those as special, never as text), rows past
+    the tokenizer's ``num_tokens`` (padding) as none.
+
+    Tokens holding a control character other than a newline count as special too: JSON never
+    holds one raw (RFC 8259) and the grammars here need none, yet xgrammar's string rule lets
+    some through (``\x13`` inside a string, measured with 0.2.8)."""
+    vocabulary = []
+    for token_id in range(vocab_size):
+        data = (b"" if token_id in special_token_ids or token_id >= num_tokens
+                else token_bytes(token_id))
+        vocabulary.append(b"" if _CONTROL.search(data) else data)
+    return vocabulary
+
+
+@dataclass
+class GrammarStats:
+    num_compiled: int = 0
+    num_cache_hits: int = 0
+    num_failed: int = 0  # grammars a worker could not compile after the ingress's check
+    compile_s: float = 0.0  # total seconds spent compiling
+
+
+class GrammarCompiler:
+    """One worker's compiled grammars, by spec. `prefetch` starts a compile on the compiler's
+    own thread and returns at once; `get` waits for it. Thread-safe."""
+
+    def __init__(self, vocab_size: int, vocabulary: Callable[[], list[bytes]],
+                 stop_token_ids: Sequence[int]) -> None:
+        """``vocabulary``: called once, at the first compile: every token's bytes
+        (`grammar_vocabulary`)."""
+        self.vocab_size = vocab_size
+        self._vocabulary = vocabulary
+        self._stop_token_ids = list(stop_token_ids)
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[GrammarSpec, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self.stats = GrammarStats()
+
+    def prefetch(self, spec: GrammarSpec) -> Future[xgr.CompiledGrammar]:
+        with self._lock:
+            future = self._compiled.get(spec)
+            if future is not None:
+                self._compiled.move_to_end(spec)
+                self.stats.num_cache_hits += 1
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self._compiled[spec] = future
+            while len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+            return future
+
+    def get(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        """The spec's compiled grammar (compiling it now if nobody asked before)."""
+        return self.prefetch(spec).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
+        start = time.perf_counter()
+        if self._compiler is None:  # built once, on first use: most workers never need it
+            info = xgr.TokenizerInfo(self._vocabulary(), xgr.VocabType.RAW,
+                                     vocab_size=self.vocab_size,
+                                     stop_token_ids=self._stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        try:
+            compiled = self._compiler.compile_grammar(build_grammar(spec))
+        except InvalidRequestError:
+            with self._lock:  # a bad spec is not cached: the error says so each time
+                self._compiled.pop(spec, None)
+            raise
+        seconds = time.perf_counter() - start
+        self.stats.num_compiled += 1
+        self.stats.compile_s += seconds
+        logger.debug("compiled a %s grammar in %.1f ms", spec.kind, seconds * 1000.0)
+        return compiled
