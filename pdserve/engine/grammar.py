@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
 import xgrammar as xgr
 
 from pdserve.engine.errors import InvalidRequestError
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 # tens of kilobytes.
 MAX_CACHED_GRAMMARS = 512
 _CONTROL = re.compile(rb"[\x00-\x09\x0b-\x1f]")
+# A UTF-16 surrogate's three bytes (ED A0..BF ..) are no UTF-8, yet xgrammar 0.2.8 accepts them
+# inside a JSON string (measured): decoded they become U+FFFD and break maxLength and enums.
+_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def build_grammar(spec: GrammarSpec) -> xgr.Grammar:
@@ -70,8 +74,31 @@ def grammar_vocabulary(vocab_size: int, num_tokens: int, token_bytes: Callable[[
     for token_id in range(vocab_size):
         data = (b"" if token_id in special_token_ids or token_id >= num_tokens
                 else token_bytes(token_id))
-        vocabulary.append(b"" if _CONTROL.search(data) else data)
+        vocabulary.append(b"" if _CONTROL.search(data) or _SURROGATE.search(data) else data)
     return vocabulary
+
+
+@dataclass(frozen=True)
+class SurrogateGuard:
+    """What keeps a surrogate out when its bytes span two tokens: the tokens that end on an
+    ED lead byte, and the bitmask words of the tokens that may follow one (not A0..BF)."""
+
+    ends_on_lead: frozenset[int]
+    after_lead: torch.Tensor  # int32 [ceil(vocab / 32)]
+
+    @classmethod
+    def of(cls, vocabulary: list[bytes]) -> SurrogateGuard:
+        ends = frozenset(i for i, data in enumerate(vocabulary) if data.endswith(b"\xed"))
+        allowed = torch.tensor([not (data and 0xA0 <= data[0] <= 0xBF) for data in vocabulary])
+        return cls(ends, pack_bits(allowed))
+
+
+def pack_bits(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool vector as bitmask words (bit ``i % 32`` of word ``i // 32``), int32."""
+    padded = torch.zeros(-(-len(allowed) // 32) * 32, dtype=torch.int64)
+    padded[:len(allowed)] = allowed.to(torch.int64)
+    words = (padded.view(-1, 32) << torch.arange(32)).sum(dim=1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
 
 @dataclass
@@ -94,6 +121,7 @@ class GrammarCompiler:
         self._vocabulary = vocabulary
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
+        self.guard: SurrogateGuard | None = None  # set with the first compile
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._lock = threading.Lock()
         self._compiled: OrderedDict[GrammarSpec, Future[xgr.CompiledGrammar]] = OrderedDict()
@@ -122,7 +150,9 @@ class GrammarCompiler:
     def _compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         start = time.perf_counter()
         if self._compiler is None:  # built once, on first use: most workers never need it
-            info = xgr.TokenizerInfo(self._vocabulary(), xgr.VocabType.RAW,
+            vocabulary = self._vocabulary()
+            self.guard = SurrogateGuard.of(vocabulary)
+            info = xgr.TokenizerInfo(vocabulary, xgr.VocabType.RAW,
                                      vocab_size=self.vocab_size,
                                      stop_token_ids=self._stop_token_ids)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -27,6 +27,7 @@ class _Cursor:
     def __init__(self, compiled: xgr.CompiledGrammar | None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled) if compiled is not None else None
         self.num_seen = 0
+        self.last_token_id = -1
         # No grammar, or a token the grammar refused: the row is no longer constrained.
         self.broken = self.matcher is None
 
@@ -35,6 +36,7 @@ class _Cursor:
         while self.num_seen < len(output) and self.matcher is not None and not self.broken:
             token_id = output[self.num_seen]
             self.num_seen += 1
+            self.last_token_id = token_id
             if self.matcher.is_terminated():
                 continue  # past the grammar's end (ignore_eos): only stop tokens are offered
             if not self.matcher.accept_token(token_id):
@@ -87,6 +89,9 @@ class GrammarMasks:
                 _allow_only(bitmask, row, request.eos_token_ids)
             else:
                 cursor.matcher.fill_next_token_bitmask(bitmask, row)
+                guard = self.compiler.guard
+                if guard is not None and cursor.last_token_id in guard.ends_on_lead:
+                    bitmask[row] &= guard.after_lead
             masked.append(row)
         return StepMask(bitmask, masked) if masked else None
 

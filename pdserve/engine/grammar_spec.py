@@ -24,8 +24,9 @@ class GrammarSpec:
     """``json_object``: any JSON object; ``json_schema``: a JSON value valid for ``source``;
     ``tool_call``: one ``<tool_call>`` block whose JSON is valid for ``source``.
 
-    ``source`` is the schema as canonical JSON (sorted keys, compact), so equal schemas make
-    equal specs: the spec itself is the compile cache's key on every worker."""
+    ``source`` is the schema as compact JSON, keys in the order given (properties come out in
+    the schema's order), so equal schemas make equal specs: the spec itself is the compile
+    cache's key on every worker."""
 
     kind: str
     source: str = ""
@@ -59,4 +60,4 @@ class GrammarSpec:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

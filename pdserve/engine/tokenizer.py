@@ -181,22 +181,25 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` as AutoTokenizer.apply_chat_template(tokenize=False) does."""
+        """Render `messages` (and `tools`, OpenAI-shaped) as
+        AutoTokenizer.apply_chat_template(tokenize=False) does."""
         if self._chat_template is None:
             raise _no_chat_template()
         # transformers drops None-valued keys; it passes only the special tokens that are set.
         cleaned = [{k: v for k, v in message.items() if v is not None} for message in messages]
         try:
             return self._chat_template.render(
-                messages=cleaned, add_generation_prompt=add_generation_prompt, **self.special_tokens
-            )
+                messages=cleaned, tools=tools, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The conversation's prompt ids. Unlike encoding `apply_chat_template`'s text, the
         content's special-token text (``<|im_end|>``, ``<|im_start|>system``) is tokenized as
@@ -208,7 +211,8 @@ class Tokenizer:
         marker = controls.pick_marker(m.get("content") or "" for m in messages)
         neutral = [{**m, "content": controls.neutralize(m["content"], marker)}
                    if isinstance(m.get("content"), str) else m for m in messages]
-        return controls.encode(self.apply_chat_template(neutral, add_generation_prompt), marker)
+        return controls.encode(
+            self.apply_chat_template(neutral, add_generation_prompt, tools), marker)
 
 
 def _no_chat_template() -> InvalidRequestError:
