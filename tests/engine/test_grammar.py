@@ -102,3 +102,16 @@ def test_a_schema_that_cannot_compile_is_refused(schema: dict[str, object], why:
     with pytest.raises(InvalidRequestError, match="cannot be used") as info:
         check_grammar(GrammarSpec.json_schema(schema))
     assert why in str(info.value)
+
+
+def test_preempted_requests_keep_their_grammar(tiny_checkpoints: dict[str, str]) -> None:
+    """Too few blocks for all at once: requests are preempted and recomputed mid-answer; each
+    matcher keeps its place (the output tokens survive preemption) and every answer is valid."""
+    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=10,
+                                     block_size=16))
+    spec = GrammarSpec.json_schema(SCHEMA)
+    params = [SamplingParams(max_tokens=120, seed=i, grammar=spec) for i in range(6)]
+    outputs = engine.generate([_prompt(engine)] * 6, params)
+    assert engine.stats.num_preemptions > 0
+    for output in outputs:
+        jsonschema.validate(json.loads(engine.tokenizer.decode(output)), SCHEMA)
