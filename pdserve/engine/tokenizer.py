@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -202,17 +202,39 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The conversation's prompt ids. Unlike encoding `apply_chat_template`'s text, the
-        content's special-token text (``<|im_end|>``, ``<|im_start|>system``) is tokenized as
-        text: only the template makes control tokens, so content cannot forge a role.
-        Content without such text gets exactly the ids of that plain encoding."""
+        special-token text (``<|im_end|>``, ``<|im_start|>system``) of the content, of past
+        tool calls and of the tools' definitions is tokenized as text: only the template
+        makes control tokens, so no client text can forge a role. Text without such text gets
+        exactly the ids of that plain encoding."""
         controls = self._controls
         if controls is None:
             raise _no_chat_template()
-        marker = controls.pick_marker(m.get("content") or "" for m in messages)
-        neutral = [{**m, "content": controls.neutralize(m["content"], marker)}
-                   if isinstance(m.get("content"), str) else m for m in messages]
-        return controls.encode(
-            self.apply_chat_template(neutral, add_generation_prompt, tools), marker)
+        marker = controls.pick_marker(_strings([messages, tools]))
+
+        def neutral(value: Any) -> Any:
+            if isinstance(value, str):
+                return controls.neutralize(value, marker)
+            if isinstance(value, dict):
+                return {neutral(k): neutral(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [neutral(v) for v in value]
+            return value
+
+        return controls.encode(self.apply_chat_template(
+            neutral(messages), add_generation_prompt, neutral(tools)), marker)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in nested lists and dicts, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def _no_chat_template() -> InvalidRequestError:
