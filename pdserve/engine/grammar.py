@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 # Compiled grammars a worker keeps (least recently used go first): a typical schema's takes
 # tens of kilobytes.
 MAX_CACHED_GRAMMARS = 512
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 _CONTROL = re.compile(rb"[\x00-\x09\x0b-\x1f]")
 # A UTF-16 surrogate's three bytes (ED A0..BF ..) are no UTF-8, yet xgrammar 0.2.8 accepts them
 # inside a JSON string (measured): decoded they become U+FFFD and break maxLength and enums.
@@ -57,8 +58,9 @@ def _literal(text: str) -> xgr.Grammar:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The library's reason, without its log prefix (time and source file of its C++)."""
     lines = [line for line in str(exc).splitlines() if line.strip()]
-    return lines[-1] if lines else type(exc).__name__
+    return _LOG_PREFIX.sub("", lines[-1]) if lines else type(exc).__name__
 
 
 def grammar_vocabulary(vocab_size: int, num_tokens: int, token_bytes: Callable[[int], bytes],

@@ -101,7 +101,7 @@ def test_greedy_grammar_row_takes_the_best_allowed_token() -> None:
 def test_a_schema_that_cannot_compile_is_refused(schema: dict[str, object], why: str) -> None:
     with pytest.raises(InvalidRequestError, match="cannot be used") as info:
         check_grammar(GrammarSpec.json_schema(schema))
-    assert why in str(info.value)
+    assert why in str(info.value) and ".cc:" not in str(info.value)
 
 
 def test_preempted_requests_keep_their_grammar(tiny_checkpoints: dict[str, str]) -> None:
