@@ -225,6 +225,8 @@ class LLMEngine:
         """Stop the tiers' copy thread (the engine is not used after)."""
         self.tiers.close()
         self.grammars.close()
+        if self.runner.grammars is not None:
+            self.runner.grammars.close()
 
     def _grammar_compiler(self) -> GrammarCompiler:
         tokenizer, vocab_size = self.tokenizer, self.loaded.config.vocab_size

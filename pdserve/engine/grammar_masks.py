@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -64,12 +65,28 @@ class StepMask:
 
 
 class GrammarMasks:
-    """The runner's per-request matchers (dropped with their requests) and step masks."""
+    """The runner's per-request matchers (dropped with their requests) and step masks.
+
+    `start` fills a step's mask on the masks' own thread while the model runs: the grammar
+    library fills all rows in one call that releases the GIL, so the forward pass hides it.
+    The matchers are touched by that thread only."""
 
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._cursors: weakref.WeakKeyDictionary[Request, _Cursor] = weakref.WeakKeyDictionary()
         self._bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=1)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-masks")
+
+    def start(self, requests: Sequence[Request]) -> Future[StepMask | None] | None:
+        """The step's mask, being filled (None: no row follows a grammar; nothing to wait
+        for). ``requests`` and their output tokens must not change until it is done."""
+        if all(r.sampling_params.grammar is None for r in requests):
+            return None
+        return self._thread.submit(self.fill, requests)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     def fill(self, requests: Sequence[Request]) -> StepMask | None:
         """The mask of the step that samples ``requests`` (None: no row follows a grammar)."""
@@ -80,19 +97,26 @@ class GrammarMasks:
             self._bitmask = xgr.allocate_token_bitmask(len(requests), self.compiler.vocab_size)
         bitmask = self._bitmask[:len(requests)]
         masked: list[int] = []
+        live: list[_Cursor] = []
+        live_rows: list[int] = []
         for row in rows:
             request = requests[row]
             cursor = self._cursor(request)
             if cursor.matcher is None or cursor.broken:
                 continue
+            masked.append(row)
             if cursor.matcher.is_terminated():
                 _allow_only(bitmask, row, request.eos_token_ids)
             else:
-                cursor.matcher.fill_next_token_bitmask(bitmask, row)
-                guard = self.compiler.guard
-                if guard is not None and cursor.last_token_id in guard.ends_on_lead:
-                    bitmask[row] &= guard.after_lead
-            masked.append(row)
+                live.append(cursor)
+                live_rows.append(row)
+        if live:
+            self._batch.batch_fill_next_token_bitmask([c.matcher for c in live], bitmask,
+                                                      live_rows)
+        guard = self.compiler.guard
+        for cursor, row in zip(live, live_rows, strict=True):
+            if guard is not None and cursor.last_token_id in guard.ends_on_lead:
+                bitmask[row] &= guard.after_lead
         return StepMask(bitmask, masked) if masked else None
 
     def _cursor(self, request: Request) -> _Cursor:

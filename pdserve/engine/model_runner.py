@@ -127,6 +127,8 @@ class ModelRunner:
             self.tp.broadcast_plan(plan.encode())
         bits = draw_bits([draws.get(r.request_id) for r in requests])
         batch = self.prepare(plan, bits)
+        # The grammar rows' mask is filled while the model runs.
+        mask = self.grammars.start(requests) if self.grammars is not None else None
         hidden = self._forward(batch, layer_hook)
         num_computed = len(plan.token_ids)
         if not requests:
@@ -138,7 +140,7 @@ class ModelRunner:
             [r.sampling_params for r in requests],
             batch.sample_uniforms,
             [r.output_token_ids for r in requests],
-            self.grammars.fill(requests) if self.grammars is not None else None,
+            mask.result() if mask is not None else None,
         )
         ids = [r.request_id for r in requests]
         logprobs = (

@@ -95,9 +95,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None  # in a call's first delta only
+    arguments: str = ""  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None  # in a call's first delta only
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionChunkChoice(BaseModel):
