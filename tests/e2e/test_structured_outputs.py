@@ -77,6 +77,16 @@ def test_every_schema_answer_validates(served_apps: ServedApps, app: str) -> Non
         assert path == ("colocated" if app == "colo" else "disaggregated"), (name, path)
 
 
+def test_a_short_prompt_prefilled_on_decode_follows_the_grammar(served_apps: ServedApps) -> None:
+    resp = client(served_apps, "disagg").chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=MAX_TOKENS,
+        response_format=json_schema_format("person", SCHEMAS["person"]), n=2,
+        extra_body={"pdserve_timings": True})
+    assert {t["path"] for t in (resp.model_extra or {})["pdserve_timings"]} == {"local_prefill"}
+    for choice in resp.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMAS["person"])
+
+
 @pytest.mark.parametrize("app", APPS)
 def test_free_text_is_not_json(served_apps: ServedApps, app: str) -> None:
     resp = client(served_apps, app).chat.completions.create(
