@@ -117,13 +117,13 @@ class GrammarCompiler:
 
     def __init__(self, vocab_size: int, vocabulary: Callable[[], list[bytes]],
                  stop_token_ids: Sequence[int]) -> None:
-        """``vocabulary``: called once, at the first compile: every token's bytes
-        (`grammar_vocabulary`)."""
+        """``vocabulary``: called once, on the compiler's thread as it starts: every token's
+        bytes (`grammar_vocabulary`)."""
         self.vocab_size = vocab_size
         self._vocabulary = vocabulary
         self._stop_token_ids = list(stop_token_ids)
         self._compiler: xgr.GrammarCompiler | None = None
-        self.guard: SurrogateGuard | None = None  # set with the first compile
+        self.guard: SurrogateGuard | None = None  # set with the vocabulary
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
         self._lock = threading.Lock()
         self._compiled: OrderedDict[GrammarSpec, Future[xgr.CompiledGrammar]] = OrderedDict()

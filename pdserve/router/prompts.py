@@ -13,8 +13,9 @@ from typing import Generic, TypeVar
 from pdserve.engine.errors import PromptTooLongError
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.errors import ModelNotFoundError
+from pdserve.router.grammar_checks import GrammarChecks
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from pdserve.router.structured import GrammarChecks, grammar_of
+from pdserve.router.structured import grammar_of
 from pdserve.router.tools import template_tools
 
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)

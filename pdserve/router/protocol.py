@@ -236,7 +236,7 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _choice_names_a_tool(self) -> ChatCompletionRequest:
         choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
-        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+        if choice == "required" or isinstance(choice, NamedToolChoice):
             if not names:
                 raise ValueError("tool_choice other than none/auto needs tools")
             if isinstance(choice, NamedToolChoice) and choice.function.name not in names:

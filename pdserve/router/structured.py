@@ -1,22 +1,16 @@
 """A request's output constraint: `response_format`'s schema, or a forced tool call's, as the
-grammar spec the workers compile; checked here so that a bad schema is a 400 before any work.
+grammar spec the workers compile (`grammar_checks.py` checks it at the ingress first).
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.grammar import check_grammar
 from pdserve.engine.grammar_spec import GrammarSpec
 from pdserve.router.tools import ToolChoice, ToolDefinition, call_schema, forced_functions
-
-# Specs the ingress remembers having checked: a repeat costs a dictionary lookup.
-CHECKED_GRAMMARS = 1024
 
 
 class JsonSchemaFormat(BaseModel):
@@ -65,34 +59,3 @@ def grammar_of(response_format: ResponseFormat | None,
         return GrammarSpec.json_object()
     assert response_format.json_schema is not None
     return GrammarSpec.json_schema(response_format.json_schema.json_schema)
-
-
-class GrammarChecks:
-    """The ingress's verdicts on specs it checked (bounded, least recently used go first)."""
-
-    def __init__(self, capacity: int = CHECKED_GRAMMARS) -> None:
-        self.capacity = capacity
-        self._verdicts: OrderedDict[GrammarSpec, str | None] = OrderedDict()
-        self._lock = threading.Lock()  # prompts are built on several worker threads
-
-    def check(self, spec: GrammarSpec | None) -> None:
-        """Raises InvalidRequestError (a 400) saying why the workers could not compile
-        ``spec``."""
-        if spec is None:
-            return
-        with self._lock:
-            known = spec in self._verdicts
-            why = self._verdicts.get(spec)
-            if known:
-                self._verdicts.move_to_end(spec)
-        if not known:
-            try:
-                check_grammar(spec)
-            except InvalidRequestError as exc:
-                why = str(exc)
-            with self._lock:
-                self._verdicts[spec] = why
-                while len(self._verdicts) > self.capacity:
-                    self._verdicts.popitem(last=False)
-        if why is not None:
-            raise InvalidRequestError(why)

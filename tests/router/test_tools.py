@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.router.grammar_checks import GrammarChecks
 from pdserve.router.protocol import ChatCompletionRequest, parse_request
-from pdserve.router.structured import GrammarChecks, grammar_of
+from pdserve.router.structured import grammar_of
 from pdserve.router.tool_stream import ToolCallStream
 from pdserve.router.tools import split_calls
 from tests.support.schemas import TIME_TOOL, WEATHER_TOOL
