@@ -58,7 +58,9 @@ def test_a_killed_prefill_replica_leaves_every_answer_valid(
             jsonschema.validate(json.loads(choice["message"]["content"]), SCHEMAS[name])
             timings = r.json()["pdserve_timings"][0]
             paths.add((timings["path"], timings["fallback_reason"]))
-        # The kill hit some after prefill had sampled their first token: decode resumed the
-        # grammar from it.
-        assert ("recompute_fallback", "handoff_failed") in paths, paths
+        # The kill hit some: before prefill sampled their first token (prefill_failed), or
+        # after, while their KV travelled (handoff_failed: decode resumed the grammar from that
+        # token; which of the two happens depends on timing, and the failing-handoff test in
+        # tests/e2e/test_structured_outputs.py holds the second every time).
+        assert {path for path, _ in paths} - {"disaggregated"}, paths
         ray_serve.wait_all_free(APP)
