@@ -115,3 +115,32 @@ def test_preempted_requests_keep_their_grammar(tiny_checkpoints: dict[str, str])
     assert engine.stats.num_preemptions > 0
     for output in outputs:
         jsonschema.validate(json.loads(engine.tokenizer.decode(output)), SCHEMA)
+
+
+def test_free_batches_start_no_mask(engine: LLMEngine) -> None:
+    from pdserve.engine.request import Request
+
+    masks = engine.runner.grammars
+    assert masks is not None
+    free = [Request(f"free{i}", [5, 6], SamplingParams(), (2,)) for i in range(4)]
+    assert masks.start(free) is None
+    mixed = free + [Request("json", [5, 6], SamplingParams(grammar=GrammarSpec.json_object()),
+                            (2,))]
+    pending = masks.start(mixed)
+    assert pending is not None
+    mask = pending.result()
+    assert mask is not None and mask.rows == [4]
+
+
+def test_json_never_gets_raw_control_characters_or_surrogates() -> None:
+    from pdserve.engine.grammar import SurrogateGuard, grammar_vocabulary
+
+    pieces = [b'"', b"a", b"\x13", b"x\ty", b"\n", b"\xed", b"\xb2\x99", b"\xed\xb2\x99",
+              b"\xe5\xb1\xb1", b"<|im_end|>"]
+    vocabulary = grammar_vocabulary(12, len(pieces), pieces.__getitem__, frozenset({9}))
+    assert vocabulary == [b'"', b"a", b"", b"", b"\n", b"\xed", b"\xb2\x99", b"", b"\xe5\xb1\xb1",
+                          b"", b"", b""]
+    guard = SurrogateGuard.of(vocabulary)
+    assert guard.ends_on_lead == {5}
+    allowed = [bool(int(guard.after_lead[0]) >> i & 1) for i in range(12)]
+    assert allowed == [True] * 6 + [False] + [True] * 5  # not A0..BF after ED
