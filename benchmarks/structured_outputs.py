@@ -12,7 +12,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from pathlib import Path
 
 from _common import (  # run as a script: python benchmarks/structured_outputs.py
@@ -59,9 +58,10 @@ def parse_args() -> argparse.Namespace:
                    help="torch threads (1: the engine thread's CPU time covers all compute)")
     p.add_argument("--size", default="tiny", choices=("tiny", "medium", "small"))
     p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    p.add_argument("--sync-masks", action="store_true",
-                   help="fill masks on the engine thread before the forward pass instead of "
-                   "on the masks' thread during it (to measure what the overlap saves)")
+    p.add_argument("--masks", choices=("engine", "thread"), default=None,
+                   help="where masks are filled: on the engine thread after the forward pass "
+                   "or on the masks' thread during it (default: the engine's choice for its "
+                   "device, engine on CPU)")
     return p.parse_args()
 
 
@@ -107,9 +107,9 @@ def measure(engine: LLMEngine, prompt: list[int],
 
 
 def timed_masks(engine: LLMEngine) -> dict[str, dict[int, list[float]]]:
-    """Wrap the runner's mask fill (on the masks' thread, overlapping the forward pass: wall
-    seconds) and the sampler's mask apply (on the engine thread: CPU seconds) to record their
-    time per step, by rows masked."""
+    """Wrap the runner's mask fill (wall seconds: it may run on the masks' thread) and the
+    sampler's mask apply (CPU seconds, engine thread) to record their time per step, by rows
+    masked."""
     seconds: dict[str, dict[int, list[float]]] = {"fill": {}, "apply": {}}
     masks = engine.runner.grammars
     assert masks is not None
@@ -130,21 +130,6 @@ def timed_masks(engine: LLMEngine) -> dict[str, dict[int, list[float]]]:
     masks.fill = timed_fill  # type: ignore[method-assign]
     StepMask.apply = timed_apply  # type: ignore[method-assign]
     return seconds
-
-
-def fill_now(engine: LLMEngine) -> None:
-    """Make the runner fill each step's mask on the engine thread, before the forward pass."""
-    masks = engine.runner.grammars
-    assert masks is not None
-
-    def start(requests):  # type: ignore[no-untyped-def]
-        if all(r.sampling_params.grammar is None for r in requests):
-            return None
-        done: Future[StepMask | None] = Future()
-        done.set_result(masks.fill(requests))
-        return done
-
-    masks.start = start  # type: ignore[method-assign]
 
 
 def compile_times(engine: LLMEngine) -> dict[str, float]:
@@ -183,8 +168,10 @@ def main() -> None:
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "List people as JSON."}])
     spec = GrammarSpec.json_schema(LONG_ANSWER)
     mask_seconds = timed_masks(engine)
-    if args.sync_masks:
-        fill_now(engine)
+    assert engine.runner.grammars is not None
+    if args.masks is not None:
+        engine.runner.grammars.overlap = args.masks == "thread"
+    masks_on = "thread" if engine.runner.grammars.overlap else "engine"
     n = args.streams
 
     def params(constrained: set[int]) -> list[SamplingParams]:
@@ -198,7 +185,7 @@ def main() -> None:
                for clock, fn in (("wall", time.perf_counter), ("cpu", time.process_time))}
     results = {
         "size": args.size, "streams": n, "output_tokens": args.output_tokens,
-        "rounds": args.rounds, "threads": args.threads, "sync_masks": args.sync_masks,
+        "rounds": args.rounds, "threads": args.threads, "masks_filled_on": masks_on,
         "load_average": os.getloadavg()[0], "tpot_p50_ms": tpot_ms,
         "schema_over_free": ratios(tpot_ms, "schema"),
         "mixed_free_over_free": ratios(tpot_ms, "mixed_free"),
@@ -220,7 +207,7 @@ def main() -> None:
         print(f"mask {part} per step (median): " + ", ".join(
             f"{rows} rows {ms:.3f} ms" for rows, ms in by_rows.items()))
     print("compile: " + ", ".join(f"{k} {v:.2f}" for k, v in results["compile"].items()))
-    name = f"structured_outputs_{args.size}{'_sync' if args.sync_masks else ''}"
+    name = f"structured_outputs_{args.size}_{masks_on}"
     print(f"saved {save_json(name, results)}")
     engine.close()
 

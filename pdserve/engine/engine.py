@@ -95,7 +95,7 @@ class LLMEngine:
         self.tiers.attach(self.kv_manager, self.scheduler)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
         self.grammars = self._grammar_compiler()
-        self.runner.grammars = GrammarMasks(self.grammars)
+        self.runner.grammars = GrammarMasks(self.grammars, overlap=self.device.type == "cuda")
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import xgrammar as xgr
@@ -67,23 +68,30 @@ class StepMask:
 class GrammarMasks:
     """The runner's per-request matchers (dropped with their requests) and step masks.
 
-    `start` fills a step's mask on the masks' own thread while the model runs: the grammar
-    library fills all rows in one call that releases the GIL, so the forward pass hides it.
-    The matchers are touched by that thread only."""
+    With ``overlap`` (CUDA: the host thread only waits while the device runs the model) a
+    step's mask is filled on the masks' own thread during the forward pass; the grammar
+    library fills all rows in one call that releases the GIL. On CPU the forward pass keeps
+    the cores busy, and a second thread there measured slower than filling after it on the
+    engine thread (`benchmarks/structured_outputs.py --masks`). The matchers are touched by
+    one thread at a time."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, overlap: bool) -> None:
         self.compiler = compiler
+        self.overlap = overlap
         self._cursors: weakref.WeakKeyDictionary[Request, _Cursor] = weakref.WeakKeyDictionary()
         self._bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-masks")
 
-    def start(self, requests: Sequence[Request]) -> Future[StepMask | None] | None:
-        """The step's mask, being filled (None: no row follows a grammar; nothing to wait
-        for). ``requests`` and their output tokens must not change until it is done."""
+    def start(self, requests: Sequence[Request]) -> PendingMask | None:
+        """The step's mask, for the sampler to take after the forward pass (None: no row
+        follows a grammar; nothing to wait for). ``requests`` and their output tokens must
+        not change until it is taken."""
         if all(r.sampling_params.grammar is None for r in requests):
             return None
-        return self._thread.submit(self.fill, requests)
+        if self.overlap:
+            return self._thread.submit(self.fill, requests)
+        return _FillWhenTaken(self, requests)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)
@@ -134,6 +142,20 @@ class GrammarMasks:
             self._cursors[request] = cursor
         cursor.catch_up(request)
         return cursor
+
+
+class PendingMask(Protocol):
+    def result(self) -> StepMask | None: ...
+
+
+class _FillWhenTaken:
+    """A mask filled on the engine thread when the sampler takes it."""
+
+    def __init__(self, masks: GrammarMasks, requests: Sequence[Request]) -> None:
+        self._masks, self._requests = masks, requests
+
+    def result(self) -> StepMask | None:
+        return self._masks.fill(self._requests)
 
 
 def _allow_only(bitmask: torch.Tensor, index: int, token_ids: Sequence[int]) -> None:

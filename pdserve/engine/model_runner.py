@@ -127,7 +127,7 @@ class ModelRunner:
             self.tp.broadcast_plan(plan.encode())
         bits = draw_bits([draws.get(r.request_id) for r in requests])
         batch = self.prepare(plan, bits)
-        # The grammar rows' mask is filled while the model runs.
+        # The grammar rows' mask (filled while the model runs, on CUDA).
         mask = self.grammars.start(requests) if self.grammars is not None else None
         hidden = self._forward(batch, layer_hook)
         num_computed = len(plan.token_ids)

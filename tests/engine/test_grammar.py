@@ -144,3 +144,22 @@ def test_json_never_gets_raw_control_characters_or_surrogates() -> None:
     assert guard.ends_on_lead == {5}
     allowed = [bool(int(guard.after_lead[0]) >> i & 1) for i in range(12)]
     assert allowed == [True] * 6 + [False] + [True] * 5  # not A0..BF after ED
+
+
+def test_masks_filled_during_the_forward_pass_are_the_same(engine: LLMEngine) -> None:
+    """On CUDA the masks' thread fills them while the model runs: same tokens either way."""
+    masks = engine.runner.grammars
+    assert masks is not None
+    spec = GrammarSpec.json_schema(SCHEMA)
+    params = [SamplingParams(max_tokens=120, seed=i, grammar=spec if i % 2 else None)
+              for i in range(6)]
+    outputs = {}
+    for overlap in (False, True):
+        masks.overlap = overlap
+        try:
+            outputs[overlap] = engine.generate([_prompt(engine)] * 6, params)
+        finally:
+            masks.overlap = False
+    assert outputs[True] == outputs[False]
+    for output in outputs[True][1::2]:
+        jsonschema.validate(json.loads(engine.tokenizer.decode(output)), SCHEMA)
