@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import EngineStats, KVStats, ReceivedKVSlots, RequestOutput
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.grammar import GrammarCompiler, grammar_vocabulary
+from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.kv_cache import (
     allocate_kv_cache,
     kv_layout_for,
@@ -92,6 +94,8 @@ class LLMEngine:
         )
         self.tiers.attach(self.kv_manager, self.scheduler)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
+        self.grammars = self._grammar_compiler()
+        self.runner.grammars = GrammarMasks(self.grammars, overlap=self.device.type == "cuda")
         self.stats = EngineStats()
         self._tracked: dict[str, _Tracked] = {}
 
@@ -220,6 +224,15 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tiers' copy thread (the engine is not used after)."""
         self.tiers.close()
+        self.grammars.close()
+        if self.runner.grammars is not None:
+            self.runner.grammars.close()
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        tokenizer, vocab_size = self.tokenizer, self.loaded.config.vocab_size
+        return GrammarCompiler(vocab_size, lambda: grammar_vocabulary(
+            vocab_size, tokenizer.vocab_size, tokenizer.token_bytes, tokenizer.special_token_ids),
+            tokenizer.eos_token_ids)
 
     def generate(
         self,
@@ -299,6 +312,10 @@ class LLMEngine:
             if outside:  # a stop token the model can never sample would never stop anything
                 raise InvalidRequestError(
                     f"{name} token id {outside[0]} is outside the vocabulary [0, {vocab})")
+        if sampling_params.grammar is not None:
+            # Compiles on the compiler's thread while the prompt is computed (or its KV
+            # travels); the first mask waits for it only if it is not done by then.
+            self.grammars.prefetch(sampling_params.grammar)
         return Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.grammar_masks import GrammarMasks
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
 from pdserve.engine.parallel.step_plan import StepPlan
@@ -55,6 +56,8 @@ class ModelRunner:
         self.device = device
         self.tp: TPGroup = getattr(model, "tp", SINGLE_RANK)
         self.sampler = Sampler()
+        # Set by the engine: the matchers of requests that follow a grammar.
+        self.grammars: GrammarMasks | None = None
         # Rank 0's worker: per request id, plain data the other ranks' workers need this step.
         self.attach: Callable[[SchedulerOutput], dict[str, Any]] | None = None
 
@@ -125,6 +128,8 @@ class ModelRunner:
             self.tp.broadcast_plan(plan.encode())
         bits = draw_bits([draws.get(r.request_id) for r in requests])
         batch = self.prepare(plan, bits)
+        # The grammar rows' mask (filled while the model runs, on CUDA).
+        mask = self.grammars.start(requests) if self.grammars is not None else None
         hidden = self._forward(batch, layer_hook)
         num_computed = len(plan.token_ids)
         if not requests:
@@ -136,6 +141,7 @@ class ModelRunner:
             [r.sampling_params for r in requests],
             batch.sample_uniforms,
             [r.output_token_ids for r in requests],
+            mask.result() if mask is not None else None,
         )
         ids = [r.request_id for r in requests]
         logprobs = (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,6 +23,12 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None
 
 
+class TokenMask(Protocol):
+    """The tokens some rows may not draw this step (their grammar's), masked in place."""
+
+    def apply(self, logits: torch.Tensor) -> None: ...
+
+
 class Sampler:
     """Stateless; one call per step over the rows that sample."""
 
@@ -31,23 +38,28 @@ class Sampler:
         params: list[SamplingParams],
         uniforms: torch.Tensor,
         output_ids: Sequence[Sequence[int]] | None = None,
+        mask: TokenMask | None = None,
     ) -> SamplerOutput:
         """``logits``: float [N, V]; ``params``: one per row; ``uniforms``: float32 [N] in
         [0, 1) on the logits' device, each row's draw (`random_draws`; greedy rows ignore
         theirs); ``output_ids``: each row's tokens generated so far (what penalties count;
-        None: none yet)."""
+        None: none yet); ``mask``: the grammar rows' disallowed tokens (None: no such row)."""
         if (logits.dim() != 2 or logits.shape[0] != len(params)
                 or tuple(uniforms.shape) != (len(params),)):
             raise ValueError(
                 f"sample: logits {tuple(logits.shape)} needs one row per params "
                 f"({len(params)}) and uniform {tuple(uniforms.shape)}"
             )
-        if all(p.is_plain_greedy for p in params):
+        if mask is None and all(p.is_plain_greedy for p in params):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
         raw = logits = logits.float()
         adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
         if adjusted:
             logits = _penalize_and_bias(logits, params, output_ids, adjusted)
+        if mask is not None:
+            if logits is raw and any(p.logprobs is not None for p in params):
+                logits = logits.clone()  # reported logprobs stay the raw distribution's
+            mask.apply(logits)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.errors import InvalidRequestError
+from pdserve.engine.grammar_spec import GrammarSpec
 
 # OpenAI's API caps top_logprobs at 20; more would also make the sampler's top-k costly.
 MAX_LOGPROBS = 20
@@ -47,6 +48,8 @@ class SamplingParams:
     lower the logits of tokens already generated (once / per occurrence; negative values
     raise them), ``logit_bias`` adds to chosen tokens' logits: all three before temperature,
     top-k and top-p; reported logprobs stay those of the model's raw distribution.
+    ``grammar``: the output must follow it; the tokens it does not allow next are masked
+    after the penalties and bias, before temperature, top-k and top-p.
     """
 
     max_tokens: int = 16
@@ -61,6 +64,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids unique
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if _require_int("max_tokens", self.max_tokens) < 1:
@@ -90,6 +94,8 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
             object.__setattr__(self, name, float(getattr(self, name)))
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise InvalidRequestError(f"grammar must be a GrammarSpec, got {self.grammar!r}")
         self._normalize_stops()
         self._normalize_logit_bias()
 
@@ -137,4 +143,5 @@ class SamplingParams:
     @property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing else to compute: the token is the raw logits' argmax."""
-        return self.temperature == 0.0 and self.logprobs is None and not self.adjusts_logits
+        return (self.temperature == 0.0 and self.logprobs is None and not self.adjusts_logits
+                and self.grammar is None)

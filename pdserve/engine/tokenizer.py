@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -101,6 +101,10 @@ class Tokenizer:
         self._token_bytes: dict[int, bytes] = {
             token_id: added.content.encode()
             for token_id, added in backend.get_added_tokens_decoder().items()}
+        # Control tokens (<|im_end|>, ...): a grammar never lets one stand for its text.
+        self.special_token_ids = frozenset(
+            token_id for token_id, added in backend.get_added_tokens_decoder().items()
+            if added.special)
         self._max_token_bytes: int | None = None
 
     @classmethod
@@ -177,34 +181,60 @@ class Tokenizer:
         return self._backend.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` as AutoTokenizer.apply_chat_template(tokenize=False) does."""
+        """Render `messages` (and `tools`, OpenAI-shaped) as
+        AutoTokenizer.apply_chat_template(tokenize=False) does."""
         if self._chat_template is None:
             raise _no_chat_template()
         # transformers drops None-valued keys; it passes only the special tokens that are set.
         cleaned = [{k: v for k, v in message.items() if v is not None} for message in messages]
         try:
             return self._chat_template.render(
-                messages=cleaned, add_generation_prompt=add_generation_prompt, **self.special_tokens
-            )
+                messages=cleaned, tools=tools, add_generation_prompt=add_generation_prompt,
+                **self.special_tokens)
         except jinja2.exceptions.TemplateError as exc:
             raise InvalidRequestError(f"the chat template rejected the messages: {exc}") from exc
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """The conversation's prompt ids. Unlike encoding `apply_chat_template`'s text, the
-        content's special-token text (``<|im_end|>``, ``<|im_start|>system``) is tokenized as
-        text: only the template makes control tokens, so content cannot forge a role.
-        Content without such text gets exactly the ids of that plain encoding."""
+        special-token text (``<|im_end|>``, ``<|im_start|>system``) of the content, of past
+        tool calls and of the tools' definitions is tokenized as text: only the template
+        makes control tokens, so no client text can forge a role. Text without such text gets
+        exactly the ids of that plain encoding."""
         controls = self._controls
         if controls is None:
             raise _no_chat_template()
-        marker = controls.pick_marker(m.get("content") or "" for m in messages)
-        neutral = [{**m, "content": controls.neutralize(m["content"], marker)}
-                   if isinstance(m.get("content"), str) else m for m in messages]
-        return controls.encode(self.apply_chat_template(neutral, add_generation_prompt), marker)
+        marker = controls.pick_marker(_strings([messages, tools]))
+
+        def neutral(value: Any) -> Any:
+            if isinstance(value, str):
+                return controls.neutralize(value, marker)
+            if isinstance(value, dict):
+                return {neutral(k): neutral(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [neutral(v) for v in value]
+            return value
+
+        return controls.encode(self.apply_chat_template(
+            neutral(messages), add_generation_prompt, neutral(tools)), marker)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in nested lists and dicts, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)
 
 
 def _no_chat_template() -> InvalidRequestError:

@@ -13,7 +13,10 @@ from typing import Generic, TypeVar
 from pdserve.engine.errors import PromptTooLongError
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.errors import ModelNotFoundError
+from pdserve.router.grammar_checks import GrammarChecks
 from pdserve.router.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from pdserve.router.structured import grammar_of
+from pdserve.router.tools import template_tools
 
 RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
 
@@ -34,6 +37,7 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.served_model_name = served_model_name
+        self.grammars = GrammarChecks()
 
     async def chat(self, body: bytes) -> Prompt[ChatCompletionRequest]:
         return await asyncio.to_thread(self._chat, body, time.monotonic())
@@ -43,13 +47,17 @@ class PromptBuilder:
 
     def _chat(self, body: bytes, start: float) -> Prompt[ChatCompletionRequest]:
         req = self._parse(ChatCompletionRequest, body)
+        self.grammars.check(grammar_of(req.response_format, req.tools, req.tool_choice))
         messages = req.template_messages()
-        self._check_fits(self.tokenizer.apply_chat_template(messages))
+        # tool_choice none: the model is not told of tools it may not call.
+        tools = template_tools(req.tools) if req.calls_tools and req.tools else None
+        self._check_fits(self.tokenizer.apply_chat_template(messages, tools=tools))
         # Content's special-token text becomes text tokens: content cannot forge a role.
-        return self._prompt(req, self.tokenizer.encode_chat(messages), start)
+        return self._prompt(req, self.tokenizer.encode_chat(messages, tools=tools), start)
 
     def _completion(self, body: bytes, start: float) -> Prompt[CompletionRequest]:
         req = self._parse(CompletionRequest, body)
+        self.grammars.check(grammar_of(req.response_format))
         if isinstance(req.prompt, list):
             return self._prompt(req, list(req.prompt), start)
         return self._prompt(req, self._encode(req.prompt), start)

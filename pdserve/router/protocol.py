@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pdserve.engine.errors import InvalidRequestError, PromptTooLongError
 from pdserve.engine.sampling_params import (
@@ -40,6 +40,14 @@ from pdserve.router.protocol_responses import (
     new_request_id,
     unix_time,
 )
+from pdserve.router.structured import ResponseFormat, grammar_of
+from pdserve.router.tools import (
+    NamedToolChoice,
+    ToolCall,
+    ToolChoice,
+    ToolDefinition,
+    template_tool_calls,
+)
 
 __all__ = [
     "AssistantMessage", "ChatCompletionChoice", "ChatCompletionChunk", "ChatCompletionChunkChoice",
@@ -71,13 +79,17 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextContentPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None  # None: an assistant's calls only
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, as answers carry them
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value: Any) -> Any:
+        if value is None:
+            return value
         if isinstance(value, list):
             for part in value:
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -87,11 +99,27 @@ class ChatMessage(_Request):
             raise ValueError("content must be a string or a list of {type: 'text', text} parts")
         return value
 
+    @model_validator(mode="after")
+    def _content_unless_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's "
+                             "message with tool_calls may omit it)")
+        return self
+
     def text(self) -> str:
         """The message's text; several text parts are joined by newlines."""
-        if isinstance(self.content, str):
-            return self.content
+        if isinstance(self.content, str) or self.content is None:
+            return self.content or ""
         return "\n".join(part.text for part in self.content)
+
+    def template_message(self) -> dict[str, Any]:
+        """The message as the chat template wants it: role, content and any calls."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class StreamOptions(_Request):
@@ -122,8 +150,11 @@ class _SamplingRequest(_Request):
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
     store: bool | None = Field(None, description="Accepted and ignored (nothing is stored).")
     service_tier: str | None = Field(None, description="Accepted and ignored.")
-    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no "
-                                             "tools are called).")
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; a forced call "
+                                             "(tool_choice required or named) is one call.")
+    response_format: ResponseFormat | None = Field(
+        None, description="text (default), json_object, or json_schema: the answer is "
+        "constrained to JSON (valid for the schema) unless cut by max_tokens.")
     presence_penalty: float | None = Field(
         None, ge=-MAX_PENALTY, le=MAX_PENALTY,
         description="Lowers the logit of every token generated so far, once.")
@@ -196,26 +227,22 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="Overrides max_tokens.")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = Field(None, description="Unsupported unless empty.")
-    response_format: dict[str, Any] | None = Field(
-        None, description="Only {\"type\": \"text\"}, the default: structured output "
-        "(json_object, json_schema) is not supported.")
+    tools: list[ToolDefinition] | None = Field(None, description="Functions the model may "
+                                               "call; shown to it by the chat template.")
+    tool_choice: ToolChoice | None = Field(
+        None, description="none, auto (default with tools), required, or {type: function, "
+        "function: {name}}: required and a named function force a call valid for its schema.")
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"response_format type {value.get('type')!r} is not supported: "
-                             "this server answers with free text only; omit response_format "
-                             "or send {\"type\": \"text\"}")
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tools are not supported; omit them")
-        return value
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> ChatCompletionRequest:
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            if not names:
+                raise ValueError("tool_choice other than none/auto needs tools")
+            if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+                raise ValueError(f"tool_choice names function {choice.function.name!r}, which "
+                                 f"is not among the tools {names}")
+        return self
 
     @field_validator("top_logprobs")
     @classmethod
@@ -233,9 +260,14 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The conversation as the chat template wants it: ``[{role, content}]``."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The conversation as the chat template wants it: ``[{role, content, ...}]``."""
+        return [m.template_message() for m in self.messages]
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer may hold tool calls (tools given, tool_choice not none)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(_SamplingRequest):
@@ -343,4 +375,6 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=tuple((int(key), bias) for key, bias in (req.logit_bias or {}).items()),
+        grammar=grammar_of(req.response_format, getattr(req, "tools", None),
+                           getattr(req, "tool_choice", None)),
     )

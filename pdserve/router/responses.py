@@ -19,9 +19,13 @@ from pdserve.router.protocol_responses import (
     ChatCompletionResponse,
     CompletionChoice,
     CompletionResponse,
+    ResponseFunctionCall,
+    ResponseToolCall,
     Usage,
 )
 from pdserve.router.sse import ChatStreamFormatter, CompletionStreamFormatter
+from pdserve.router.tool_stream import ToolCallDelta, ToolCallStream
+from pdserve.router.tools import split_calls
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
 
@@ -50,17 +54,39 @@ class ResponseContext:
     def wants_logprobs(self) -> bool:
         return self.request.requested_logprobs() is not None
 
+    @property
+    def calls_tools(self) -> bool:
+        return isinstance(self.request, ChatCompletionRequest) and self.request.calls_tools
+
+
+def assistant_message(ctx: ResponseContext, run: ChoiceRun) -> tuple[AssistantMessage, str]:
+    """A choice's message and finish reason: with tools, the ``<tool_call>`` blocks of its text
+    become ``tool_calls`` and a choice that stopped after one finishes with ``tool_calls``."""
+    text, reason = run.outcome.text, run.outcome.finish_reason
+    if not ctx.calls_tools:
+        return AssistantMessage(content=text), reason
+    content, calls = split_calls(text)
+    if not calls:
+        return AssistantMessage(content=text), reason
+    tool_calls = [ResponseToolCall(id=call.id, function=ResponseFunctionCall(
+        name=call.function.name, arguments=call.function.arguments)) for call in calls]
+    return (AssistantMessage(content=content, tool_calls=tool_calls),
+            "tool_calls" if reason == "stop" else reason)
+
 
 def whole_response(ctx: ResponseContext, runs: list[ChoiceRun],
                    tokenizer: Tokenizer) -> dict[str, Any]:
     """The non-streamed answer, every choice complete."""
     usage = usage_of(runs, ctx.num_prompt_tokens)
     if ctx.chat:
-        choices = [ChatCompletionChoice(
-            index=run.index, message=AssistantMessage(content=run.outcome.text),
-            finish_reason=run.outcome.finish_reason,  # type: ignore[arg-type]
-            logprobs=(LogprobsFormatter(tokenizer).chat(run.outcome.logprobs)
-                      if ctx.wants_logprobs else None)) for run in runs]
+        choices = []
+        for run in runs:
+            message, reason = assistant_message(ctx, run)
+            choices.append(ChatCompletionChoice(
+                index=run.index, message=message,
+                finish_reason=reason,  # type: ignore[arg-type]
+                logprobs=(LogprobsFormatter(tokenizer).chat(run.outcome.logprobs)
+                          if ctx.wants_logprobs else None)))
         body = ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
                                       choices=choices, usage=usage).model_dump(mode="json")
     else:
@@ -90,6 +116,9 @@ class StreamWriter:
         # One per choice: the completions' text offsets count on within a choice.
         self.logprobs = ([LogprobsFormatter(tokenizer) for _ in range(num_choices)]
                          if ctx.wants_logprobs else None)
+        # With tools: each choice's text split into content and tool-call deltas.
+        self.tool_streams = ([ToolCallStream() for _ in range(num_choices)]
+                             if ctx.calls_tools else None)
 
     def opening(self, index: int, first: GenerationDelta) -> str:
         head = self.fmt.first(index) if isinstance(self.fmt, ChatStreamFormatter) else ""
@@ -99,15 +128,41 @@ class StreamWriter:
         """A delta's chunk: its text, and its tokens' logprobs when asked for (a chunk of no
         text still carries those: the detokenizer may hold a partial character back)."""
         fmt = self.fmt
+        if self.tool_streams is not None and isinstance(fmt, ChatStreamFormatter):
+            content, calls = self.tool_streams[index].feed(delta.text)
+            chunks = self._tool_chunks(index, calls)
+            if content or (self.logprobs is not None and delta.logprobs):
+                chunks = self._text_chunk(index, content, delta) + chunks
+            return chunks
+        return self._text_chunk(index, delta.text, delta)
+
+    def _text_chunk(self, index: int, text: str, delta: GenerationDelta) -> str:
+        fmt = self.fmt
         if self.logprobs is not None and delta.logprobs:
             lp = self.logprobs[index]
             if isinstance(fmt, ChatStreamFormatter):
-                return fmt.delta(delta.text, lp.chat(delta.logprobs), index)
-            return fmt.delta(delta.text, lp.completion(delta.logprobs), index)
-        return fmt.delta(delta.text, index=index) if delta.text else ""
+                return fmt.delta(text, lp.chat(delta.logprobs), index)
+            return fmt.delta(text, lp.completion(delta.logprobs), index)
+        return fmt.delta(text, index=index) if text else ""
+
+    def _tool_chunks(self, index: int, calls: list[ToolCallDelta]) -> str:
+        if not calls or not isinstance(self.fmt, ChatStreamFormatter):
+            return ""
+        return self.fmt.tool_calls([call.as_openai() for call in calls], index)
 
     def finish(self, index: int, finish_reason: str) -> str:
-        return self.fmt.finish(finish_reason, index)  # type: ignore[arg-type]
+        """What a choice held back, then its finish chunk (``tool_calls`` when it stopped
+        after a call)."""
+        out = ""
+        if self.tool_streams is not None and isinstance(self.fmt, ChatStreamFormatter):
+            stream = self.tool_streams[index]
+            content, calls = stream.finish()
+            if content:
+                out += self.fmt.delta(content, index=index)
+            out += self._tool_chunks(index, calls)
+            if stream.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return out + self.fmt.finish(finish_reason, index)  # type: ignore[arg-type]
 
     def end(self, runs: list[ChoiceRun]) -> str:
         timings = timings_of(runs) if self.ctx.request.pdserve_timings else None

@@ -122,6 +122,10 @@ class ChatStreamFormatter:
     def delta(self, text: str, logprobs: ChoiceLogprobs | None = None, index: int = 0) -> str:
         return self._choice(index, '{"content":' + _json(text) + "}", logprobs)
 
+    def tool_calls(self, calls: list[dict[str, Any]], index: int = 0) -> str:
+        """A chunk of tool-call deltas (OpenAI's ``delta.tool_calls``)."""
+        return self._choice(index, '{"tool_calls":' + _json(calls) + "}")
+
     def finish(self, finish_reason: FinishReason, index: int = 0) -> str:
         """A choice's finish chunk."""
         return self._choice(index, "{}", finish_reason=finish_reason)

@@ -310,7 +310,8 @@ BAD_BODIES = [
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                  "stream_options": {"include_usage": True}}).encode(), 400),  # without stream
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                 "response_format": {"type": "json_object"}}).encode(), 400),
+                 "response_format": {"type": "json_schema", "json_schema": {
+                     "name": "bad", "schema": {"type": "nonsense"}}}}).encode(), 400),
     (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                  "max_token": 4}).encode(), 400),  # an unknown field
 ]
