@@ -137,7 +137,8 @@ def test_the_workers_folders_import_no_ray() -> None:
 
 def test_the_ingress_process_loads_no_torch_and_no_model_code() -> None:
     """What importing the ingress loads: errors, records and the tokenizer of the engine
-    (torch-free), none of its model, attention or KV code, and no torch."""
+    (torch-free), none of its model, attention or KV code, and no torch (the grammar library,
+    which loads torch, comes only with the first request that asks for a grammar)."""
     code = ("import sys, pdserve.router.ingress; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') "
             "or m.startswith('pdserve.engine.') or m.startswith('pdserve.handoff')))")
@@ -153,7 +154,7 @@ def test_the_ingress_process_loads_no_torch_and_no_model_code() -> None:
 # tokenizer (and the control tokens it keeps out of text), hashes and KV events of the prefix
 # index, the reuse record and logprobs it reports.
 INGRESS_ENGINE_MODULES = ("errors", "sampling_params", "tokenizer", "control_tokens",
-                          "block_hash", "kv_events", "kv_cost", "logprobs")
+                          "block_hash", "kv_events", "kv_cost", "logprobs", "grammar_spec")
 
 
 def test_every_folder_has_a_layer() -> None:

@@ -2,7 +2,7 @@
 an authenticated TCP connection, as MAC'd msgpack frames.
 
 The worker listens; an ingress connects. The handshake and the numbered, MAC'd frames are
-`plane_link.py`'s, under labels of its own. Then the worker sends one SNAPSHOT (its instance,
+`link.py`'s, under labels of its own. Then the worker sends one SNAPSHOT (its instance,
 layout fingerprint, hash salt, block size, the event number it includes, every block per
 tier) and EVENTS frames ([first event number, [[kind, tier, hash], ...]]) after it.
 """

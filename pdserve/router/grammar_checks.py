@@ -8,7 +8,6 @@ import threading
 from collections import OrderedDict
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.grammar import check_grammar
 from pdserve.engine.grammar_spec import GrammarSpec
 
 # Specs the ingress remembers having checked: a repeat costs a dictionary lookup.
@@ -34,6 +33,10 @@ class GrammarChecks:
             if known:
                 self._verdicts.move_to_end(spec)
         if not known:
+            # The grammar library loads torch: the ingress imports it only once a request
+            # asks for a grammar.
+            from pdserve.engine.grammar import check_grammar
+
             try:
                 check_grammar(spec)
             except InvalidRequestError as exc:
