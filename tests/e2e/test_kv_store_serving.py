@@ -165,6 +165,11 @@ def test_a_prefill_replica_killed_mid_load_loses_no_request_and_no_decode_block(
         ray_serve: ServedApps, app: str, documents: list[list[int]],
         greedy: Callable[[list[int]], str]) -> None:
     wait_for(lambda: settled(ray_serve, APP), 30, "the app at baseline")
+    # Each document once, in order: the first ones leave prefill's device and host tiers
+    # and live on in the store (as after the tests above, which this one does not need).
+    for k, doc in enumerate(documents):
+        assert send(app, doc + [8, 8, k])[0] == 200
+    wait_for(lambda: settled(ray_serve, APP), 30, "the documents' blocks put in the store")
     [victim] = replica_pids(APP, "prefill")
     prompts = [doc + [9, 9, k] for k, doc in enumerate(documents)] * 2
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
