@@ -218,9 +218,10 @@ def measure_memcpy(sizes: list[int], reps: int) -> Rates:
     return results
 
 
-def measure_pair(sizes: list[int], reps: int) -> dict[str, Rates]:
+def measure_pair(sizes: list[int], reps: int, pair: Any = None) -> dict[str, Rates]:
     """The handoff (scattered and consecutive blocks) and raw UCXX sends between the same two
-    processes, alternating per repetition so the machine's drift hits all three alike."""
+    processes, alternating per repetition so the machine's drift hits all three alike.
+    ``pair`` starts the two processes (default: `_common.role_pair`, both on this machine)."""
     from _common import role_pair, transfer_block_ids
 
     from pdserve.engine.kv_layout import KVSlice
@@ -231,7 +232,7 @@ def measure_pair(sizes: list[int], reps: int) -> dict[str, Rates]:
     rng = random.Random(0)
     names = ("handoff scattered", "handoff runs", "raw ucxx")
     results: dict[str, Rates] = {name: {} for name in names}
-    with role_pair(handoff_worker, (num_cache_blocks,)) as (receiver, sender):
+    with (pair or role_pair)(handoff_worker, (num_cache_blocks,)) as (receiver, sender):
         receiver.send(("identity", None))
         address, host = receiver.recv()
         for size in sizes:

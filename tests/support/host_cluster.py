@@ -79,8 +79,13 @@ class HostCluster:
         self.wait_healthy()
 
     def wait_healthy(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        wait_for(lambda: self.health()[0] == 200, timeout_s, "pdserve /health on h0",
-                 interval_s=0.5)
+        try:
+            wait_for(lambda: self.health()[0] == 200, timeout_s, "pdserve /health on h0",
+                     interval_s=0.5)
+        except AssertionError as exc:
+            log = self.log("serve")
+            tail = log.read_text()[-3000:] if log.exists() else "(no log)"
+            raise AssertionError(f"{exc}; pdserve serve's output ends:\n{tail}") from None
 
     def health(self) -> tuple[int | None, str]:
         try:

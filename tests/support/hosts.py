@@ -1,6 +1,7 @@
 """Hosts made of Linux namespaces on one machine: each its own network stack (a veth into one
 bridge, an address in 198.18.0.0/24, no route out), UTS, IPC and mount namespace (a private
-/tmp and /dev/shm), optional netem on its link; everything torn down on exit, failure or signal.
+/tmp, /dev/shm and home), netem or a rate cap on its link; all torn down on exit, failure or
+signal.
 
 Usable from tests (`namespace_hosts`) and from scripts. Needs root and iproute2 (`ip`, `tc`)
 and util-linux (`unshare`, `nsenter`); `skip_reason()` says what is missing.
@@ -15,6 +16,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,7 +81,12 @@ class Host:
     address: str
     netns: str
     veth: str  # the bridge-side end of its link, in the root namespace
-    root: Path  # holds its private /tmp and /dev/shm
+    root: Path  # holds its private /tmp, /dev/shm and home
+
+    @property
+    def home(self) -> Path:
+        """Its private home directory as this process sees it (on the host: $HOME)."""
+        return self.root / "home"
     init_pid: int = 0
     started: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
@@ -168,6 +175,14 @@ class Host:
         return (int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text()))
 
 
+def _home_entry_of(path: Path) -> Path | None:
+    """The entry of this user's home that holds ``path``, if it lies under the home."""
+    home = Path.home()
+    if home in path.parents:
+        return home / path.relative_to(home).parts[0]
+    return None
+
+
 def _zombie(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -209,6 +224,7 @@ class HostNetwork:
         for sub in ("tmp", "shm"):
             (host.root / sub).mkdir(parents=True)
             (host.root / sub).chmod(0o1777)
+        host.home.mkdir(mode=0o700)
         _sh("ip", "netns", "add", host.netns)
         peer = f"{host.veth}p"[:15] if len(host.veth) < 15 else host.veth[:-1] + "p"
         _sh("ip", "link", "add", host.veth, "type", "veth", "peer", "name", peer)
@@ -223,12 +239,24 @@ class HostNetwork:
         # /dev/shm stays tmpfs (Ray's object store checks it); the host gets a dir of it.
         shm = Path("/dev/shm") / f"{host.netns}"
         shm.mkdir(mode=0o1777)
-        script = ('mount --bind "$1" /tmp && mount --bind "$2" /dev/shm && hostname "$3" '
-                  '&& echo ready && exec sleep infinity')
+        # The interpreter may live in the real home (pyenv): the host's home shows it too,
+        # as a machine's image carries it.
+        keep = _home_entry_of(Path(sys.executable).resolve())
+        if keep is not None:
+            (host.home / keep.name).mkdir()
+        # Its name resolves to its address, as a machine's does (Ray falls back on it to find
+        # its own address when there is no default route).
+        (host.root / "hosts").write_text(
+            f"127.0.0.1 localhost\n{host.address} {self._hostname or host.name}\n")
+        script = ('mount --bind "$1" /tmp && mount --bind "$2" /dev/shm && '
+                  '{ [ -z "$6" ] || mount --bind "$6" "$3/$(basename "$6")"; } && '
+                  'mount --rbind "$3" "$4" && mount --bind "$7" /etc/hosts && hostname "$5" && '
+                  'echo ready && exec sleep infinity')
         init = subprocess.Popen(
             [*inside, "unshare", "--mount", "--uts", "--ipc", "--propagation", "private", "--",
-             "sh", "-c", script, "sh", str(host.root / "tmp"), str(shm),
-             self._hostname or host.name],
+             "sh", "-c", script, "sh", str(host.root / "tmp"), str(shm), str(host.home),
+             str(Path.home()), self._hostname or host.name, str(keep or ""),
+             str(host.root / "hosts")],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
             start_new_session=True)
         host.init_pid = init.pid
