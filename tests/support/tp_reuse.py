@@ -54,7 +54,7 @@ def check_greedy_and_prefix_reuse(url: str, engine: LLMEngine) -> None:
         assert t["path"] == "disaggregated", (t["fallback_reason"], t["handoff_error"])
         sent.append((t["handoff_bytes"], ids))
     (bytes_1, ids_1), (bytes_2, ids_2) = sent
-    per_block = kv_bytes_per_token(engine.loaded.config, engine.config.dtype) * BLOCK_SIZE
+    per_block = kv_bytes_per_token(engine.loaded.config, engine.layout.dtype) * BLOCK_SIZE
     assert bytes_1 == per_block * num_blocks(len(ids_1))
     common = next(i for i, (a, b) in enumerate(zip(ids_1, ids_2, strict=False)) if a != b)
     cached_blocks = common // BLOCK_SIZE
