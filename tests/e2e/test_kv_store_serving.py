@@ -128,21 +128,32 @@ def check_repeats_load_from_the_store(served: ServedApps, app_name: str, url: st
                     "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]})
         if not round_:  # every put done: the first documents are in the store, not the host
             wait_for(lambda: settled(served, app_name), 30, "the first round's puts")
-    # The first repeat's document left the device and its first blocks the host tier; the
-    # worker has measured no store load yet, so it loads (then measures).
+    # The first repeat's document left the device and its first blocks the host tier: the
+    # store holds its prefix. The worker loads it when its estimate of the load (fitted on
+    # its own store copies, the first round's puts among them) beats computing it: on a
+    # quiet machine it does; on a busy one the puts' times can make computing cheaper.
     first = repeats[0]
-    assert first["kv_tier"] == "store" and first["kv_load_choice"] == "load", repeats
-    assert first["kv_loaded_tokens"] >= 16, first
-    assert first["cached"] >= DOC_TOKENS - 16, first
-    if role == "prefill":  # what the prefill worker computed (colocated: cached says it)
-        assert first["prefill_tokens_computed"] <= 20, first
+    assert first["kv_tier"] == "store", repeats
+    for timings in repeats:
+        if timings["kv_tier"] == "store":
+            load_ms, compute_ms = timings["kv_load_estimate_ms"], timings["kv_compute_estimate_ms"]
+            chose_load = load_ms is None or compute_ms is None or load_ms < compute_ms
+            assert timings["kv_load_choice"] == ("load" if chose_load else "recompute"), timings
+    if first["kv_load_choice"] == "recompute":
+        assert first["kv_load_estimate_ms"] >= first["kv_compute_estimate_ms"], first
+    else:
+        assert first["kv_loaded_tokens"] >= 16, first
+        assert first["cached"] >= DOC_TOKENS - 16, first
+        if role == "prefill":  # what the prefill worker computed (colocated: cached says it)
+            assert first["prefill_tokens_computed"] <= 20, first
+        metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert metric_value(metrics, "pdserve:prefix_cache_hits_total", 'tier="store"') >= \
+            first["kv_loaded_tokens"]
+        stats = served.kv_stats(app_name)[role]["tiers"]
+        assert stats["num_store_loads"] >= 1, stats
     for timings in repeats:  # loaded or computed, never a wrong answer (checked above)
         assert timings["kv_tier"] in (None, "store", "host"), timings
-    metrics = httpx.get(f"{url}/metrics", timeout=30).text
-    assert metric_value(metrics, "pdserve:prefix_cache_hits_total", 'tier="store"') >= \
-        first["kv_loaded_tokens"]
-    stats = served.kv_stats(app_name)[role]["tiers"]
-    assert stats["num_store_loads"] >= 1 and stats["num_store_puts"] > 0, stats
+    assert served.kv_stats(app_name)[role]["tiers"]["num_store_puts"] > 0
     wait_for(lambda: settled(served, app_name), 30, "every tier of every role at baseline")
 
 
