@@ -98,12 +98,15 @@ def serving_stages(model: str, mode: str, delays_ms: list[float], num: int) -> d
     on every link (where netem exists)."""
     from tests.support.host_cluster import cluster_config, host_cluster
 
+    # Staging set explicitly: with its default (one step's KV, 1.5 MiB here) this prompt's
+    # handoff fails as "piece of 1548288 bytes exceeds the sender's staging (1572864 bytes)".
     config = cluster_config(model, router={"min_disaggregated_prompt_tokens": 16},
-                            engine={"max_num_batched_tokens": 2048, "num_kv_blocks": 1024})
+                            engine={"max_num_batched_tokens": 2048, "num_kv_blocks": 1024},
+                            handoff={"staging_buffer_mb": 16})
     if mode == "colocated":
         config["mode"] = "colocated"
         del config["roles"]["prefill"]
-    prompt = "Summarise the shipping rules for every region. " * 100  # 2,015 tokens (tiny)
+    prompt = "Summarise the shipping rules for every region. " * 100  # about 2,000 tokens (tiny)
     out: dict[str, Any] = {}
     with host_cluster(model, config) as cluster:
         for delay in delays_ms:
@@ -119,6 +122,8 @@ def serving_stages(model: str, mode: str, delays_ms: list[float], num: int) -> d
                 stage: statistics.median(run[stage] or 0.0 for run in runs) for stage in STAGES}
             out[f"{delay:g} ms"]["num_prompt_tokens"] = runs[0]["num_prompt_tokens"]
             out[f"{delay:g} ms"]["paths"] = sorted({run["path"] for run in runs})
+            out[f"{delay:g} ms"]["handoff_errors"] = sorted({str(run["handoff_error"])
+                                                             for run in runs})
             print(f"  {mode} delay {delay:g} ms: {out[f'{delay:g} ms']}", flush=True)
     return out
 

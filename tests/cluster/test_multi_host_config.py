@@ -56,3 +56,13 @@ def test_the_ingress_is_placed_like_the_roles(tiny_checkpoints: dict[str, str]) 
     assert ingress.name == "ingress"
     assert ingress.ray_actor_options["resources"] == {"pd_head": 1}
     assert ingress.ray_actor_options["label_selector"] == {"pdserve-role": "head"}
+
+
+def test_a_store_master_for_a_private_ray_listens_on_loopback() -> None:
+    # A joined cluster's master listens on the node's address: tests/multinode checks a
+    # worker on another host reaching it.
+    from pdserve.cluster.serve_command import master_host
+
+    for host in ("127.0.0.1", "0.0.0.0"):
+        cfg = parse_config(config_with(http={"host": host}))
+        assert master_host(cfg, "local") == "127.0.0.1"
