@@ -13,6 +13,7 @@ import atexit
 import contextlib
 import itertools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -65,6 +66,22 @@ def netem_missing() -> str | None:
     if done.returncode != 0:
         return f"this kernel has no netem qdisc (sch_netem): {done.stderr.strip()}"
     return None
+
+
+def _shared_under_tmp() -> list[Path]:
+    """The repository and the interpreter's environment where they live under /tmp: every
+    host sees them at the same path, as machines of one image do."""
+    repo = Path(__file__).resolve().parents[2]
+    paths = {repo, Path(sys.prefix).resolve()}
+    under = [p for p in paths if p.is_relative_to("/tmp")]
+    return sorted(p for p in under if not any(p != q and p.is_relative_to(q) for q in under))
+
+
+def _tmp_mirror(host_tmp: Path, path: Path) -> Path:
+    """Where ``path`` (under /tmp) appears in a host's own /tmp dir, made empty for a bind."""
+    mirror = host_tmp / path.relative_to("/tmp")
+    mirror.mkdir(parents=True, exist_ok=True)
+    return mirror
 
 
 def _sh(*argv: str) -> None:
@@ -248,7 +265,12 @@ class HostNetwork:
         # its own address when there is no default route).
         (host.root / "hosts").write_text(
             f"127.0.0.1 localhost\n{host.address} {self._hostname or host.name}\n")
-        script = ('mount --bind "$1" /tmp && mount --bind "$2" /dev/shm && '
+        # The code and its venv stay at their paths when they live under /tmp (a clone there):
+        # bound into the host's own /tmp before it covers the machine's.
+        keep_tmp = "".join(f"mount --bind {shlex.quote(str(path))} "
+                           f"{shlex.quote(str(_tmp_mirror(host.root / 'tmp', path)))} && "
+                           for path in _shared_under_tmp())
+        script = (keep_tmp + 'mount --rbind "$1" /tmp && mount --bind "$2" /dev/shm && '
                   '{ [ -z "$6" ] || mount --bind "$6" "$3/$(basename "$6")"; } && '
                   'mount --rbind "$3" "$4" && mount --bind "$7" /etc/hosts && hostname "$5" && '
                   'echo ready && exec sleep infinity')
