@@ -21,9 +21,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 os.environ["PDSERVE_FAULT_POINTS"] = "1"  # before Ray starts: its workers inherit it
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from pdserve.engine.checkpoint_maker import make_checkpoint  # noqa: E402
 from pdserve.faults import POINTS  # noqa: E402
@@ -31,8 +33,9 @@ from tests.support.fault_rounds import RoundResult, greedy_texts, kill_round  # 
 from tests.support.ray_serve import app_config, served_apps_on_local_ray  # noqa: E402
 
 APP = "hammer"
-# Kill tests of the other phases, each a whole pytest run (its own local Ray): they assert
-# every answer right or a clear error and every block back, so a pass is a clean round.
+# Kill tests of the other phases: each asserts every answer right or a clear error, every
+# block back and the killed worker replaced, so a passing round is a clean one and leaves the
+# app as it found it. All rounds of one test share one pytest run (its Ray, Serve and app).
 SCENARIOS = {
     "a prefill TP rank killed while requests flow":
         "tests/ranks/test_tp_prefill.py::"
@@ -48,21 +51,30 @@ SCENARIOS = {
 }
 
 
-def run_scenarios(runs: int) -> tuple[str, bool]:
+def run_scenario(test: str, runs: int, out: Path) -> int:
+    """``runs`` rounds of one kill test in one pytest session: how many passed."""
+    report = out / "scenario.xml"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-p", "benchmarks._repeat_plugin", f"--hammer-repeat={runs}",
+         f"--junitxml={report}", test], capture_output=True, text=True, check=False,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode != 0:
+        print(done.stdout[-4000:], flush=True)
+    cases = ElementTree.parse(report).getroot().iter("testcase") if report.exists() else []
+    return sum(1 for case in cases if not list(case))  # no failure, error or skip inside
+
+
+def run_scenarios(runs: int, out: Path) -> tuple[str, bool]:
     """Each scenario's test ``runs`` times: the table of runs and clean ones, and whether
     every run was clean."""
     lines = ["| scenario | runs | clean (right or clear error, blocks back) |", "|---|---|---|"]
     all_clean = True
     for name, test in SCENARIOS.items():
-        passed = 0
-        for n in range(1, runs + 1):
-            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                                   test], capture_output=True, text=True, check=False)
-            passed += done.returncode == 0
-            print(f"[{name} {n}/{runs}] {'clean' if done.returncode == 0 else 'FAILED'}",
-                  flush=True)
-            if done.returncode != 0:
-                print(done.stdout[-3000:], flush=True)
+        started = time.monotonic()
+        passed = run_scenario(test, runs, out)
+        print(f"[{name}] {passed}/{runs} clean in {time.monotonic() - started:.0f} s",
+              flush=True)
         lines.append(f"| {name} | {runs} | {passed} |")
         all_clean = all_clean and passed == runs
     return "\n".join(lines), all_clean
@@ -91,12 +103,12 @@ def main() -> int:
     parser.add_argument("--points", nargs="*", default=sorted(POINTS), choices=sorted(POINTS))
     parser.add_argument("--scenarios", type=int, default=0, metavar="N",
                         help="also run each kill test of TP ranks, store loads and peer pulls "
-                             "N times")
+                             "N times (in one pytest session each)")
     parser.add_argument("--out", type=Path, required=True, help="folder for the results")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.scenarios:
-        report, clean = run_scenarios(args.scenarios)
+        report, clean = run_scenarios(args.scenarios, args.out)
         print(report)
         (args.out / "fault_scenarios.md").write_text(report + "\n")
         if not clean or not args.rounds:
