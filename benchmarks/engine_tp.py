@@ -22,8 +22,8 @@ from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.parallel import SINGLE_RANK, TPGroup
 from pdserve.engine.parallel.group import connect_group, host_store
-from pdserve.engine.parallel.shard_engine import ShardEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.shard_engine import ShardEngine
 
 COLLECTIVE_TIMEOUT_S = 120.0
 

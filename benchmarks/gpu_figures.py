@@ -117,7 +117,7 @@ def _forward(model: torch.nn.Module, prompt: torch.Tensor, block_size: int) -> t
 
 def handoff_ratio(report: Report) -> None:
     """Two processes on one GPU: byte-exact, GB/s against a device-to-device copy."""
-    from pdserve.engine.kv_layout import KVLayout
+    from pdserve.engine.kv.layout import KVLayout
     from tests.handoff.handoff_agent import running_agents
 
     layout = KVLayout("check", "bfloat16", block_size=16, num_layers=32, num_kv_heads=8,
@@ -158,7 +158,7 @@ def engine_ratios(report: Report, model_dir: Path, flops: float, bandwidth: floa
     the (weights + KV) / HBM-bandwidth bound."""
     from pdserve.cluster.config import engine_config
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.kv_cache import kv_bytes_per_token
+    from pdserve.engine.kv.cache import kv_bytes_per_token
     from pdserve.engine.sampling_params import SamplingParams
 
     engine = LLMEngine(engine_config(str(model_dir), dtype="bfloat16",

@@ -52,7 +52,7 @@ BENCH_CONFIG: dict[str, Any] = {
 def bench_layout() -> Any:
     """A Llama-like KV slice: 32 layers x 8 KV heads x 64 dims, fp16, 16-token blocks, so one
     block across all layers is exactly 1 MiB and an N MiB payload is N blocks."""
-    from pdserve.engine.kv_layout import KVLayout
+    from pdserve.engine.kv.layout import KVLayout
 
     return KVLayout("bench", "float16", block_size=16, num_layers=NUM_LAYERS, num_kv_heads=8,
                     head_dim=64)
@@ -224,7 +224,7 @@ def measure_pair(sizes: list[int], reps: int, pair: Any = None) -> dict[str, Rat
     ``pair`` starts the two processes (default: `_common.role_pair`, both on this machine)."""
     from _common import role_pair, transfer_block_ids
 
-    from pdserve.engine.kv_layout import KVSlice
+    from pdserve.engine.kv.layout import KVSlice
     from pdserve.handoff import HandoffConfig
     from pdserve.handoff.plan import plan_pieces
 

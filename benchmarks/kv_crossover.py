@@ -50,7 +50,7 @@ def measure(tier: str, path: Path, master, lengths: tuple[int, ...], repeats: in
             ) -> list[dict[str, float]]:  # noqa: ANN001
     from pdserve.cluster.config import engine_config
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.mooncake_store import MooncakeBlockStore, MooncakeSettings
+    from pdserve.engine.tiers.mooncake import MooncakeBlockStore, MooncakeSettings
 
     blocks = max(lengths) // 16 + 2
     host_gb = 0.5 if tier == "host" else 0.0
@@ -93,7 +93,7 @@ class AlwaysLoad:
     """A cost model that always loads (this benchmark measures what the real one estimates)."""
 
     def decide(self, tier: str, num_tokens: int, num_bytes: int, end_position: int):  # noqa: ANN201
-        from pdserve.engine.kv_cost import LoadDecision
+        from pdserve.engine.tiers.cost import LoadDecision
 
         return LoadDecision(tier, num_tokens, num_bytes, None, None)
 

@@ -4,7 +4,8 @@ processes load: the ingress no torch, the workers' folders no Ray.
 
 Layers, bottom up (docs/design.md): engine, {handoff, planes}, {prefill, decode, ranks},
 router, cluster, bench, the command line. `log`, `replica`, `faults` and `auth` are leaves
-every layer may use.
+every layer may use. Inside the engine, its folders have floors of their own (kv and
+attention, then parallel and tiers, then models) and take from its root only its records.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ LEAVES = {"log", "replica", "faults", "auth"}
 # Folders whose code Serve deploys or runs in a worker, but which import nothing of Ray: the
 # app builder hands them what they need of it (ranks, replica context).
 RAY_FREE = ("engine", "handoff", "planes", "prefill", "decode")
+# The engine's folders, bottom up; its root holds the core (scheduler, runner, engine) and
+# the records every floor shares, the only root modules a folder may import.
+ENGINE_FLOORS = {"kv": 0, "attention": 0, "parallel": 1, "tiers": 1, "models": 2}
+ENGINE_RECORDS = {"errors", "request", "model_config", "threads"}
 
 
 def _modules() -> dict[str, Path]:
@@ -121,6 +126,37 @@ def test_no_folder_imports_one_above_it() -> None:
     assert upward == []
 
 
+def _engine_folder(module: str) -> str | None:
+    """The engine folder a module lives in (or is), None for the engine's root modules."""
+    parts = module.split(".")
+    if parts[:2] != ["pdserve", "engine"] or len(parts) < 3:
+        return None
+    return parts[2] if len(parts) > 3 or (PACKAGE / "engine" / parts[2]).is_dir() else None
+
+
+def test_no_engine_folder_imports_one_above_it_or_the_engine_core() -> None:
+    upward = []
+    for module, targets in _graph().items():
+        source = _engine_folder(module)
+        if source is None:
+            continue
+        for target in targets:
+            folder = _engine_folder(target)
+            if folder == source or not target.startswith("pdserve.engine."):
+                continue
+            if folder is None:  # the engine's root: its records only
+                if target.removeprefix("pdserve.engine.") not in ENGINE_RECORDS:
+                    upward.append(f"{module} -> {target}")
+            elif ENGINE_FLOORS[folder] >= ENGINE_FLOORS[source]:
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_every_engine_folder_has_a_floor() -> None:
+    folders = {_engine_folder(m) for m in _graph()} - {None}
+    assert folders == set(ENGINE_FLOORS), folders ^ set(ENGINE_FLOORS)
+
+
 def _top_level_imports(path: Path) -> Iterator[str]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -153,8 +189,9 @@ def test_the_ingress_process_loads_no_torch_and_no_model_code() -> None:
 # The engine's torch-free modules the ingress uses: errors, sampling parameters, the
 # tokenizer (and the control tokens it keeps out of text), hashes and KV events of the prefix
 # index, the reuse record and logprobs it reports.
-INGRESS_ENGINE_MODULES = ("errors", "sampling_params", "tokenizer", "control_tokens",
-                          "block_hash", "kv_events", "kv_cost", "logprobs", "grammar_spec")
+INGRESS_ENGINE_MODULES = ("errors", "sampling_params", "tokenizer", "control_tokens", "kv",
+                          "kv.block_hash", "kv.events", "tiers", "tiers.cost", "logprobs",
+                          "grammar_spec")
 
 
 def test_every_folder_has_a_layer() -> None:

@@ -18,7 +18,7 @@ from pdserve.cluster.model_source import resolve_model_path
 from pdserve.cluster.serve_config import role_autoscaling
 from pdserve.cluster.serve_context import ServeReplicaContext
 from pdserve.decode.worker import DecodeWorker
-from pdserve.engine.kv_cache import max_model_len_for
+from pdserve.engine.kv.cache import max_model_len_for
 from pdserve.engine.model_config import ModelConfig
 from pdserve.handoff.config import MAX_PIECE_BYTES, HandoffConfig
 from pdserve.prefill.worker import PrefillWorker

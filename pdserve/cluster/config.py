@@ -165,7 +165,7 @@ class PdserveConfig(Section):
         handoff.staging_buffer_mb, else one engine step's KV of the checkpoint's model."""
         if self.handoff.staging_buffer_mb is not None:
             return int(self.handoff.staging_buffer_mb * (1 << 20))
-        from pdserve.engine.kv_cache import kv_bytes_per_token  # imports torch: only when wiring
+        from pdserve.engine.kv.cache import kv_bytes_per_token  # imports torch: only when wiring
 
         gpus = [role.resources.num_gpus for role in self.role_configs().values()]
         per_token = kv_bytes_per_token(ModelConfig.from_checkpoint(model_path),

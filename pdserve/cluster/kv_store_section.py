@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pdserve.cluster.config_sections import Section
-from pdserve.engine.mooncake_store import MooncakeSettings
+from pdserve.engine.tiers.mooncake import MooncakeSettings
 
 MIB = 1 << 20
 

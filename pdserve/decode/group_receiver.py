@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.layout import KVLayout
 from pdserve.handoff import FenceInfo, HandoffError, HandoffReceiver, HandoffTicket
 from pdserve.handoff.routes import HeadRoute, group_ticket, route_heads, route_request_id
 

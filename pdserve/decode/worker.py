@@ -30,9 +30,9 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import ReceivedKVSlots, RequestOutput
 from pdserve.engine.errors import InconsistentKVError
-from pdserve.engine.mooncake_store import MooncakeSettings, connect_store
-from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
+from pdserve.engine.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode
+from pdserve.engine.tiers.mooncake import MooncakeSettings, connect_store
 from pdserve.faults import FaultPoints
 from pdserve.handoff import HandoffConfig, HandoffError, HandoffReceiver, HandoffTransport
 from pdserve.log import configure_logging

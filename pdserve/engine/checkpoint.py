@@ -19,7 +19,7 @@ from torch import nn
 
 from pdserve.engine.attention import select_attention_backend
 from pdserve.engine.errors import CheckpointError
-from pdserve.engine.kv_layout import NAME_BY_DTYPE
+from pdserve.engine.kv.layout import NAME_BY_DTYPE
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import CausalLM, WeightLoader, weight_targets
 from pdserve.engine.models.weights import is_ignored

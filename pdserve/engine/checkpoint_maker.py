@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pdserve.engine.kv_layout import DTYPE_BY_NAME
+from pdserve.engine.kv.layout import DTYPE_BY_NAME
 from pdserve.engine.model_presets import FAMILIES, SIZES
 from pdserve.engine.tokenizer_maker import END_OF_TEXT, IM_END, SPECIAL_TOKENS, write_tokenizer
 

@@ -16,12 +16,12 @@ from pdserve.engine.engine_outputs import EngineStats, KVStats, ReceivedKVSlots,
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.grammar import GrammarCompiler, grammar_vocabulary
 from pdserve.engine.grammar_masks import GrammarMasks
-from pdserve.engine.kv_cache import (
+from pdserve.engine.kv.cache import (
     allocate_kv_cache,
     kv_layout_for,
     max_model_len_for,
 )
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.kv_tiers import KVTiers
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.logprobs import TokenLogprobs

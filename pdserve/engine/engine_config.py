@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.cpu_affinity import CpuAffinity
-from pdserve.engine.kv_layout import DTYPE_BY_NAME
+from pdserve.engine.kv.layout import DTYPE_BY_NAME
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.kv_cost import KVReuse
 from pdserve.engine.kv_tiers import TierStats
 from pdserve.engine.logprobs import TokenLogprobs
+from pdserve.engine.tiers.cost import KVReuse
 
 
 @dataclass(frozen=True)

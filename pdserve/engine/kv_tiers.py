@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.host_kv_tier import CopyKind, HostKVTier
-from pdserve.engine.kv_cache import GIB, kv_cache_bytes
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_cost import KVCostModel
-from pdserve.engine.kv_events import KVEventLog, Tier
-from pdserve.engine.kv_layout import KVLayout
-from pdserve.engine.peer_tier import PeerPull, PeerTier
+from pdserve.engine.kv.cache import GIB, kv_cache_bytes
+from pdserve.engine.kv.events import KVEventLog, Tier
+from pdserve.engine.kv.layout import KVLayout
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.store_tier import BlockStore, StoreKVTier
-from pdserve.engine.tier_loads import LoadPlan, TierLoads
+from pdserve.engine.tiers.cost import KVCostModel
+from pdserve.engine.tiers.host import CopyKind, HostKVTier
+from pdserve.engine.tiers.loads import LoadPlan, TierLoads
+from pdserve.engine.tiers.peer import PeerPull, PeerTier
+from pdserve.engine.tiers.store import BlockStore, StoreKVTier
 
 
 @dataclass(frozen=True)

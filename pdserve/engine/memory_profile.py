@@ -10,9 +10,9 @@ from torch import nn
 
 from pdserve.engine.attention.metadata import AttentionMetadata
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.kv_cache import allocate_kv_cache
-from pdserve.engine.kv_layout import KVLayout
-from pdserve.engine.kv_sizing import (
+from pdserve.engine.kv.cache import allocate_kv_cache
+from pdserve.engine.kv.layout import KVLayout
+from pdserve.engine.kv.sizing import (
     DeviceMemory,
     KVBudget,
     kv_budget_from_memory,

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.kv_cost import KVReuse
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiers.cost import KVReuse
 
 
 class RequestMode(Enum):

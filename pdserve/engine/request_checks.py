@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Container
 
 from pdserve.engine.errors import InvalidRequestError, OutOfKVBlocksError, PromptTooLongError
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.scheduler_output import SchedulerConfig
 

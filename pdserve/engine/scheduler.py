@@ -6,14 +6,12 @@ toward its length. Also holds the two disaggregation roles' extra states.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
-from collections import deque
 from collections.abc import Iterable, Sequence
 
 from pdserve.engine.errors import InconsistentKVError, InvalidRequestError
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.request_checks import check_new_request, stop_status
 from pdserve.engine.scheduler_integrity import check_scheduler_integrity
@@ -22,15 +20,15 @@ from pdserve.engine.scheduler_output import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from pdserve.engine.step_planning import StepPlanning
-from pdserve.engine.tier_loads import TierLoads
+from pdserve.engine.step_planning import BatchState, StepPlanner
+from pdserve.engine.tiers.loads import TierLoads
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "stop_status"]
 
 
-class Scheduler(StepPlanning):
+class Scheduler:
     """Owns every live request's state; the model runner only executes its plans.
 
     Lifecycle: WAITING -> RUNNING -> FINISHED_*; preemption (by recompute) sends RUNNING
@@ -52,17 +50,42 @@ class Scheduler(StepPlanning):
         self.config = config
         self.kv = kv_cache_manager
         self._requests: dict[str, Request] = {}  # every live request, any status
-        self._waiting: deque[Request] = deque()  # FCFS; preempted ones re-enter at the front
-        self._running: list[Request] = []  # oldest first; the youngest is preempted first
-        self._num_awaiting_kv = 0
         self._order: dict[str, tuple[float, int]] = {}  # (arrival_time, registration number)
         self._registrations = itertools.count()
-        self._head_blocked = False  # the first waiting request found no seat or blocks
-        # Cumulative: tokens of admissions and how many of those came from the prefix cache
-        # (hit rate = hit / admitted).
-        self.num_admitted_tokens = 0
-        self.num_prefix_hit_tokens = 0
-        self.loads: TierLoads | None = None
+        self._state = BatchState(self.age)
+        self._planner = StepPlanner(config, kv_cache_manager, self._state)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step (engine/step_planning.py says how)."""
+        return self._planner.schedule()
+
+    @property
+    def loads(self) -> TierLoads | None:
+        """The tiers' loads, when the engine has tiers below the device."""
+        return self._state.loads
+
+    @loads.setter
+    def loads(self, loads: TierLoads | None) -> None:
+        self._state.loads = loads
+
+    @property
+    def num_admitted_tokens(self) -> int:
+        """Cumulative tokens of admitted prompts (prefix-cache hit rate = hits / these)."""
+        return self._state.num_admitted_tokens
+
+    @property
+    def num_prefix_hit_tokens(self) -> int:
+        """Cumulative admitted tokens that came from the prefix cache or a tier."""
+        return self._state.num_prefix_hit_tokens
+
+    @property
+    def num_loading(self) -> int:
+        return self._state.num_loading
+
+    @property
+    def num_seated(self) -> int:
+        """Requests holding a batch seat: RUNNING, AWAITING_KV and LOADING_KV ones."""
+        return self._state.num_seated
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -71,20 +94,20 @@ class Scheduler(StepPlanning):
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._state.waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        return len(self._state.running)
 
     @property
     def num_awaiting_kv(self) -> int:
-        return self._num_awaiting_kv
+        return self._state.num_awaiting_kv
 
     @property
     def num_prefilled(self) -> int:
-        return (len(self._requests) - len(self._waiting) - len(self._running)
-                - self._num_awaiting_kv - self.num_loading)
+        return (len(self._requests) - len(self._state.waiting) - len(self._state.running)
+                - self._state.num_awaiting_kv - self.num_loading)
 
     @property
     def has_unfinished_requests(self) -> bool:
@@ -94,7 +117,7 @@ class Scheduler(StepPlanning):
     @property
     def has_schedulable_requests(self) -> bool:
         """Whether `schedule` can have work: some request is WAITING or RUNNING."""
-        return bool(self._waiting or self._running)
+        return bool(self._state.waiting or self._state.running)
 
     # ---- admission -----------------------------------------------------------------------
 
@@ -106,7 +129,7 @@ class Scheduler(StepPlanning):
             )
         check_new_request(request, self.config, self.kv, self._requests)
         self._register(request)
-        self._waiting.append(request)
+        self._state.waiting.append(request)
 
     def reserve_for_received_kv(self, request: Request) -> list[int] | None:
         """Decode role: own blocks for the whole prompt now, to be filled by the handoff.
@@ -135,7 +158,7 @@ class Scheduler(StepPlanning):
         request.num_cached_tokens = num_cached
         self._register(request)
         request.status = RequestStatus.AWAITING_KV
-        self._num_awaiting_kv += 1
+        self._state.num_awaiting_kv += 1
         return block_ids
 
     def activate_received(self, request_id: str, first_token_id: int) -> None:
@@ -161,7 +184,7 @@ class Scheduler(StepPlanning):
                 f"request {request_id} cannot continue from received KV: it holds {num_blocks} "
                 f"blocks for {request.num_prompt_tokens} prompt tokens and already has "
                 f"{len(request.output_token_ids)} output tokens")
-        self._num_awaiting_kv -= 1
+        self._state.num_awaiting_kv -= 1
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv.cache_full_blocks(request)
         request.output_token_ids.append(first_token_id)
@@ -169,10 +192,9 @@ class Scheduler(StepPlanning):
         if status is not None:
             self._finish(request, status)
             return
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self._running, request, key=self.age)
+        self._state.run(request)
 
-    # ---- the step (planning: engine/step_planning.py) -----------------------------------
+    # ---- the step's outcome ---------------------------------------------------------------
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
@@ -201,7 +223,8 @@ class Scheduler(StepPlanning):
                 self._append_sampled(request, sampled_token_ids[request.request_id])
                 changed.append(request)
         if changed:
-            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+            self._state.running = [r for r in self._state.running
+                                   if r.status is RequestStatus.RUNNING]
         return changed
 
     # ---- endings -------------------------------------------------------------------------
@@ -219,11 +242,11 @@ class Scheduler(StepPlanning):
         if request is None:
             return
         if request.status is RequestStatus.WAITING:
-            self._waiting.remove(request)
+            self._state.waiting.remove(request)
         elif request.status is RequestStatus.RUNNING:
-            self._running.remove(request)
+            self._state.running.remove(request)
         elif request.status is RequestStatus.AWAITING_KV:
-            self._num_awaiting_kv -= 1
+            self._state.num_awaiting_kv -= 1
         elif request.status is RequestStatus.LOADING_KV:
             assert self.loads is not None
             self.loads.abort(request_id)  # its blocks are freed once the copy ended
@@ -245,15 +268,14 @@ class Scheduler(StepPlanning):
             self.kv.free(request)
             request.skip_tier_loads = True
             request.status = RequestStatus.WAITING
-            self._waiting.appendleft(request)
+            self._state.waiting.appendleft(request)
             return
         self.kv.cache_full_blocks(request)
-        self.num_admitted_tokens += request.num_tokens
-        self.num_prefix_hit_tokens += request.num_computed_tokens
+        self._state.num_admitted_tokens += request.num_tokens
+        self._state.num_prefix_hit_tokens += request.num_computed_tokens
         if request.num_preemptions == 0:
             request.num_cached_tokens = request.num_computed_tokens
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self._running, request, key=self.age)
+        self._state.run(request)
 
     def release(self, request_id: str) -> None:
         """Prefill role: every send of a PREFILLED request's blocks completed; unpin them.
@@ -278,12 +300,12 @@ class Scheduler(StepPlanning):
     @property
     def waiting_requests(self) -> Sequence[Request]:
         """WAITING requests in admission order (read only)."""
-        return self._waiting
+        return self._state.waiting
 
     @property
     def running_requests(self) -> Sequence[Request]:
         """RUNNING requests, oldest first (read only)."""
-        return self._running
+        return self._state.running
 
     @property
     def live_requests(self) -> Iterable[Request]:

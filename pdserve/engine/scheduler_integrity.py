@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import SchedulerConfig
 

@@ -8,8 +8,9 @@ import bisect
 import logging
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import (
     ScheduledChunk,
@@ -17,25 +18,25 @@ from pdserve.engine.scheduler_output import (
     SchedulerOutput,
     StepPlan,
 )
-from pdserve.engine.tier_loads import TierLoads
+from pdserve.engine.tiers.loads import TierLoads
 
 logger = logging.getLogger(__name__)
 
 
-class StepPlanning:
-    """The step-planning half of `Scheduler` (engine/scheduler.py), which owns the state
-    declared here; kept apart so the request lifecycle and the batching policy read alone."""
+@dataclass
+class BatchState:
+    """What the scheduler knows of its batch, shared by its lifecycle (engine/scheduler.py)
+    and its step planner: the queues, the seats awaiting KV, the tiers' loads, counters."""
 
-    config: SchedulerConfig
-    kv: KVCacheManager
-    loads: TierLoads | None
-    _waiting: deque[Request]
-    _running: list[Request]
-    _head_blocked: bool
-    _num_awaiting_kv: int
-    num_admitted_tokens: int
-    num_prefix_hit_tokens: int
-    age: Callable[[Request], tuple[float, int]]
+    age: Callable[[Request], tuple[float, int]]  # sort key of the running list
+    waiting: deque[Request] = field(default_factory=deque)  # FCFS; preempted at the front
+    running: list[Request] = field(default_factory=list)  # oldest first
+    num_awaiting_kv: int = 0
+    head_blocked: bool = False  # the first waiting request found no seat or blocks
+    loads: TierLoads | None = None  # set when the engine has tiers below the device
+    # Cumulative: tokens of admissions and how many came from the prefix cache.
+    num_admitted_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
     @property
     def num_loading(self) -> int:
@@ -44,7 +45,21 @@ class StepPlanning:
     @property
     def num_seated(self) -> int:
         """Requests holding a batch seat: RUNNING, AWAITING_KV and LOADING_KV ones."""
-        return len(self._running) + self._num_awaiting_kv + self.num_loading
+        return len(self.running) + self.num_awaiting_kv + self.num_loading
+
+    def run(self, request: Request) -> None:
+        """Mark an admitted request RUNNING and seat it by age."""
+        request.status = RequestStatus.RUNNING
+        bisect.insort(self.running, request, key=self.age)
+
+
+class StepPlanner:
+    """Plans each step of the scheduler that holds it, over the batch state they share."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, state: BatchState) -> None:
+        self.config = config
+        self.kv = kv
+        self.state = state
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step. No request waits behind another's prompt chunks for long:
@@ -83,8 +98,8 @@ class StepPlanning:
         """Step 1; returns the running requests mid-prefill, oldest first, for step 3."""
         mid_prefill: list[Request] = []
         i = 0
-        while i < len(self._running) and plan.budget > 0:
-            request = self._running[i]
+        while i < len(self.state.running) and plan.budget > 0:
+            request = self.state.running[i]
             if request.num_tokens - request.num_computed_tokens > 1:
                 mid_prefill.append(request)
             elif self._allocate(plan, request, 1):
@@ -109,8 +124,9 @@ class StepPlanning:
         """Blocks for ``num_new`` more tokens of a running request, preempting the youngest
         running requests not planned this step until they fit; False if that was itself."""
         while self.kv.allocate_slots(request, num_new) is None:
-            victim = next(r for r in reversed(self._running) if r.request_id not in plan.planned)
-            self._running.remove(victim)
+            victim = next(r for r in reversed(self.state.running)
+                          if r.request_id not in plan.planned)
+            self.state.running.remove(victim)
             self._preempt(victim)
             plan.preempted_ids.append(victim.request_id)
             if victim is request:
@@ -120,18 +136,19 @@ class StepPlanning:
     def _admit_whole(self, plan: StepPlan, limit: int) -> None:
         """Step 2: waiting prompts whose uncomputed tokens fit whole into ``limit`` join, FCFS,
         passing over longer ones (they keep their place for step 4)."""
-        if self._head_blocked:
+        if self.state.head_blocked:
             return  # the head's turn: the blocks or seats these would take, it needs
         cap = self.config.long_prefill_token_threshold or limit
         i = 0
-        while i < len(self._waiting) and limit > 0 and self.num_seated < self.config.max_num_seqs:
-            request = self._waiting[i]
+        state = self.state
+        while i < len(state.waiting) and limit > 0 and state.num_seated < self.config.max_num_seqs:
+            request = self.state.waiting[i]
             cached_ids, num_cached = self.kv.find_cached_prefix(request)
             loading = self._start_load(request, cached_ids)
             if loading is not None:
                 if not loading:
                     return
-                del self._waiting[i]
+                del self.state.waiting[i]
                 continue
             num_new = request.num_tokens - num_cached
             if num_new > min(limit, cap):
@@ -139,39 +156,39 @@ class StepPlanning:
                 continue
             if not self._admit(plan, request, num_new, cached_ids, num_cached):
                 return
-            del self._waiting[i]
+            del self.state.waiting[i]
             limit -= num_new
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Step 4: waiting requests join FCFS, the last one with the chunk that fits."""
         # Strict FCFS on resources: while the head finds no seat or blocks, later requests
         # do not overtake it, not even in step 2.
-        self._head_blocked = False
-        while self._waiting and plan.budget > 0:
-            request = self._waiting[0]
+        self.state.head_blocked = False
+        while self.state.waiting and plan.budget > 0:
+            request = self.state.waiting[0]
             cached_ids, num_cached = self.kv.find_cached_prefix(request)
             loading = (self._start_load(request, cached_ids)
-                       if self.num_seated < self.config.max_num_seqs else None)
+                       if self.state.num_seated < self.config.max_num_seqs else None)
             if loading:
-                self._waiting.popleft()
+                self.state.waiting.popleft()
                 continue
             num_new = self._chunk_size(request, num_cached, plan.budget)
-            if (loading is False or self.num_seated >= self.config.max_num_seqs
+            if (loading is False or self.state.num_seated >= self.config.max_num_seqs
                     or not self._admit(plan, request, num_new, cached_ids, num_cached)):
-                self._head_blocked = True
+                self.state.head_blocked = True
                 return
-            self._waiting.popleft()
+            self.state.waiting.popleft()
 
     def _start_load(self, request: Request, cached_ids: list[int]) -> bool | None:
         """Start loading the request's prefix from another tier when the cost model says so:
         True (it is LOADING_KV now), False (a load was chosen but its blocks do not fit),
         None (no load: compute)."""
-        if self.loads is None:
+        if self.state.loads is None:
             return None
-        plan = self.loads.plan(request, len(cached_ids))
+        plan = self.state.loads.plan(request, len(cached_ids))
         if plan is None:
             return None
-        return self.loads.start(request, cached_ids, plan)
+        return self.state.loads.start(request, cached_ids, plan)
 
     def _admit(self, plan: StepPlan, request: Request, num_new: int, cached_ids: list[int],
                num_cached: int) -> bool:
@@ -180,12 +197,11 @@ class StepPlanning:
         if self.kv.allocate_slots(request, num_new, cached_ids) is None:
             return False
         request.num_computed_tokens = num_cached
-        self.num_admitted_tokens += request.num_tokens
-        self.num_prefix_hit_tokens += num_cached
+        self.state.num_admitted_tokens += request.num_tokens
+        self.state.num_prefix_hit_tokens += num_cached
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_cached
-        request.status = RequestStatus.RUNNING
-        bisect.insort(self._running, request, key=self.age)
+        self.state.run(request)
         plan.add(self._make_chunk(request, num_new))
         return True
 
@@ -194,7 +210,7 @@ class StepPlanning:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.WAITING
-        self._waiting.appendleft(request)
+        self.state.waiting.appendleft(request)
         logger.debug(
             "preempted %s (preemption %d), %d KV blocks free",
             request.request_id,

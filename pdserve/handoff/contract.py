@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.layout import KVLayout
 from pdserve.handoff.outbound import OutboundTransfer
 from pdserve.handoff.ticket import FenceInfo, HandoffTicket
 

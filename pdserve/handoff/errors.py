@@ -5,7 +5,7 @@ Both sides raise these; an ABORT message carries the code so the peer raises the
 
 from __future__ import annotations
 
-from pdserve.engine.kv_layout import LayoutMismatchError
+from pdserve.engine.kv.layout import LayoutMismatchError
 
 
 class HandoffError(Exception):

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice, LayoutMismatchError
+from pdserve.engine.kv.layout import KVLayout, KVSlice, LayoutMismatchError
 from pdserve.handoff.digest import combine_digests
 from pdserve.handoff.errors import (
     HandoffDigestError,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import xxhash
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 from pdserve.handoff.digest import device_digest
 from pdserve.handoff.plan import PieceSpec
 

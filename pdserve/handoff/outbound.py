@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import xxhash
 
-from pdserve.engine.kv_layout import KVSlice
+from pdserve.engine.kv.layout import KVSlice
 from pdserve.handoff.device_stream import HandoffStream
 from pdserve.handoff.errors import HandoffError, HandoffProtocolError
 from pdserve.handoff.kvcopy import (

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.engine.kv_layout import KVSlice
+from pdserve.engine.kv.layout import KVSlice
 
 
 @dataclass(frozen=True)

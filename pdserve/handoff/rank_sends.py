@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.layout import KVLayout
 from pdserve.handoff.outbound import OutboundTransfer
 from pdserve.handoff.routes import all_ready, route_tickets
 from pdserve.handoff.sender import HandoffSender

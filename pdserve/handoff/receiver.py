@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 from pdserve.handoff.contract import KVReceiver
 from pdserve.handoff.digest import digest_kind
 from pdserve.handoff.errors import (

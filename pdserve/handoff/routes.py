@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pdserve.engine.kv_layout import KVLayout, LayoutMismatchError, kv_head_range
+from pdserve.engine.kv.layout import KVLayout, LayoutMismatchError, kv_head_range
 from pdserve.handoff.ticket import HandoffTicket
 
 _TP_FIELDS = ("tp_rank", "tp_size")

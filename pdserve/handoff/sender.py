@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice, LayoutMismatchError
+from pdserve.engine.kv.layout import KVLayout, KVSlice, LayoutMismatchError
 from pdserve.handoff.contract import KVSender
 from pdserve.handoff.device_stream import HandoffStream
 from pdserve.handoff.digest import combine_digests, digest, digest_kind

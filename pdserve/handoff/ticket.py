@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 
 PROTOCOL_VERSION = 5
 

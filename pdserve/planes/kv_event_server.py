@@ -12,7 +12,7 @@ import threading
 from concurrent.futures import Future
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_events import KVEvent, KVEventLog
+from pdserve.engine.kv.events import KVEvent, KVEventLog
 from pdserve.engine.threads import name_native_thread
 from pdserve.planes.kv_event_wire import (
     FrameWriter,

@@ -16,7 +16,7 @@ from typing import Any
 import msgpack
 
 from pdserve import auth
-from pdserve.engine.kv_events import EventKind, KVEvent, KVSnapshot, Tier
+from pdserve.engine.kv.events import EventKind, KVEvent, KVSnapshot, Tier
 from pdserve.planes.link import (
     MacFramer,
     MacFrameReader,

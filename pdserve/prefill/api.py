@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.kv_cost import KVReuse
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiers.cost import KVReuse
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.peer_tier import PeerTier
+from pdserve.engine.tiers.peer import PeerTier
 from pdserve.handoff import (
     FenceInfo,
     HandoffError,

@@ -20,10 +20,10 @@ from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import RequestOutput
-from pdserve.engine.mooncake_store import MooncakeSettings, connect_store
-from pdserve.engine.parallel.replica_ranks import ONE_RANK, RankStarter
+from pdserve.engine.replica_ranks import ONE_RANK, RankStarter
 from pdserve.engine.request import RequestMode, RequestStatus
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.tiers.mooncake import MooncakeSettings, connect_store
 from pdserve.faults import FaultPoints
 from pdserve.handoff import (
     HandoffConfig,

@@ -15,8 +15,8 @@ from typing import Any
 from pdserve.engine.cpu_affinity import apply_cpu_settings
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.parallel.group import Rendezvous, connect_group
-from pdserve.engine.parallel.shard_engine import ShardEngine
 from pdserve.engine.parallel.step_plan import StepPlan
+from pdserve.engine.shard_engine import ShardEngine
 from pdserve.handoff import HandoffConfig, HandoffReceiver, HandoffSender, HandoffTransport
 from pdserve.handoff.rank_sends import RankSends
 from pdserve.handoff.ticket import FenceInfo, SendResult

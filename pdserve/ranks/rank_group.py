@@ -22,7 +22,7 @@ from pdserve.engine.parallel.group import (
     connect_group,
     host_store,
 )
-from pdserve.engine.parallel.replica_ranks import ONE_RANK, ReplicaRanks
+from pdserve.engine.replica_ranks import ONE_RANK, ReplicaRanks
 from pdserve.handoff import FenceInfo, HandoffConfig
 from pdserve.ranks.rank_actor import TPRank
 

@@ -10,9 +10,9 @@ from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from pdserve.engine.kv_cost import KVReuse
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import MAX_SEED, MIN_SEED, SamplingParams
+from pdserve.engine.tiers.cost import KVReuse
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.timings import RequestTrace
 

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.block_hash import hash_full_blocks
+from pdserve.engine.kv.block_hash import hash_full_blocks
 from pdserve.planes.kv_event_wire import (
     EventBatch,
     FrameReader,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.kv_events import EventKind, Tier
+from pdserve.engine.kv.events import EventKind, Tier
 
 _INDEXED = (Tier.DEVICE, Tier.HOST)
 

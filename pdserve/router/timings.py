@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from pdserve.engine.kv_cost import KVReuse
+from pdserve.engine.tiers.cost import KVReuse
 
 RequestPath = Literal["disaggregated", "local_prefill", "colocated", "recompute_fallback"]
 RequestStatus = Literal["ok", "error", "cancelled", "timeout", "rejected", "stalled"]

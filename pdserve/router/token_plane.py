@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdserve.engine.kv_cost import KVReuse
+from pdserve.engine.tiers.cost import KVReuse
 from pdserve.planes.token_wire import (
     Entry,
     FrameReader,

@@ -10,7 +10,7 @@ import pytest
 from pdserve.cluster.app import handoff_config
 from pdserve.cluster.config import ConfigError, load_config, parse_config
 from pdserve.cluster.config_sections import MIN_STAGING_BYTES, default_staging_bytes
-from pdserve.engine.kv_cache import kv_bytes_per_token
+from pdserve.engine.kv.cache import kv_bytes_per_token
 from pdserve.engine.model_config import ModelConfig
 from tests.cluster.test_config import config_with
 

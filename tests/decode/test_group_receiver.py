@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from pdserve.decode.group_receiver import GroupReceiver
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.layout import KVLayout
 from pdserve.handoff import (
     FenceInfo,
     HandoffConfig,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.checkpoint import INDEX_FILE, SINGLE_FILE, load_model
 from pdserve.engine.errors import CheckpointError, UnsupportedArchitectureError
-from pdserve.engine.kv_cache import (
+from pdserve.engine.kv.cache import (
     allocate_kv_cache,
     kv_bytes_per_token,
     kv_cache_bytes,

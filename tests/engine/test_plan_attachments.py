@@ -12,10 +12,10 @@ import pytest
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.parallel.group import TPGroup
-from pdserve.engine.parallel.shard_engine import ShardEngine
 from pdserve.engine.parallel.step_plan import StepPlan, StepPlanError
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput
+from pdserve.engine.shard_engine import ShardEngine
 from tests.support.tp_ranks import run_ranks
 
 PLAN = StepPlan([5, 6, 7], [0, 1, 2], [3], [3], [[4]], ["a"], [2], [0])

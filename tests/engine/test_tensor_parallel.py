@@ -16,12 +16,12 @@ from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.checkpoint import load_model
 from pdserve.engine.checkpoint_maker import make_checkpoint
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_cache import allocate_kv_cache, kv_layout_for
+from pdserve.engine.kv.cache import allocate_kv_cache, kv_layout_for
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TPGroup
 from pdserve.engine.parallel.shard import TPSplitError, check_tp_fits
-from pdserve.engine.parallel.shard_engine import ShardEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.shard_engine import ShardEngine
 from tests.engine.paged_runs import shuffled_block_tables
 from tests.support.tp_ranks import run_ranks
 

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 from pdserve.handoff.digest import HOST_DIGEST, combine_digests
 from pdserve.handoff.errors import HandoffError
 from pdserve.handoff.inbound import InboundTransfer

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.layout import KVLayout
 from pdserve.handoff import (
     HandoffError,
     HandoffReceiver,

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 from pdserve.handoff.digest import device_digest
 from pdserve.handoff.kvcopy import gather_cuda_layer, piece_view, scatter_piece
 from pdserve.handoff.plan import plan_pieces

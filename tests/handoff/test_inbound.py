@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 from pdserve.handoff.digest import HOST_DIGEST, combine_digests
 from pdserve.handoff.errors import (
     HandoffCancelledError,

@@ -9,7 +9,7 @@ import pytest
 import torch
 import xxhash
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 from pdserve.handoff.digest import combine_digests, device_digest, digest
 from pdserve.handoff.kvcopy import (
     byte_rows,

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 from pdserve.handoff.digest import digest
 from pdserve.handoff.errors import HandoffCancelledError
 from pdserve.handoff.kvcopy import cache_rows

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 from pdserve.handoff.plan import plan_pieces
 
 LAYOUT = KVLayout("fp", "bfloat16", block_size=4, num_layers=5, num_kv_heads=2, head_dim=8)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice
 from pdserve.handoff.rank_sends import PLACEHOLDER_FIRST_TOKEN, RankSends, route_attachment
 from pdserve.handoff.ticket import HandoffTicket, SendResult
 

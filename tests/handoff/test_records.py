@@ -8,7 +8,7 @@ from typing import Any
 import msgpack  # type: ignore[import-untyped]
 import pytest
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.layout import KVLayout
 from pdserve.handoff.config import HandoffConfig
 from pdserve.handoff.errors import HandoffDigestError, HandoffError, error_from_code
 from pdserve.handoff.staging import StagingAdmission, StagingPool

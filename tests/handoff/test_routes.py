@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.engine.kv_layout import KVLayout, KVSlice, LayoutMismatchError
+from pdserve.engine.kv.layout import KVLayout, KVSlice, LayoutMismatchError
 from pdserve.handoff.errors import HandoffCancelledError
 from pdserve.handoff.routes import (
     HeadRoute,

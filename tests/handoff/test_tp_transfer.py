@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.layout import KVLayout
 from pdserve.handoff.routes import HeadRoute, route_heads, route_request_id
 from tests.handoff.handoff_agent import Agent, running_agents
 from tests.handoff.handoff_cases import CACHE_BLOCKS, pick_blocks, random_layout

@@ -8,7 +8,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from pdserve.engine.kv_events import KVEventLog, Tier
+from pdserve.engine.kv.events import KVEventLog, Tier
 from pdserve.planes.kv_event_server import KVEventServer
 from pdserve.planes.kv_event_wire import WorkerIdentity
 from pdserve.router.kv_event_feed import KVEventFeed

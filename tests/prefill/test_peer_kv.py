@@ -16,8 +16,8 @@ import torch
 from pdserve.cluster.config import engine_config
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_cache import kv_cache_bytes
-from pdserve.engine.kv_layout import KVSlice
+from pdserve.engine.kv.cache import kv_cache_bytes
+from pdserve.engine.kv.layout import KVSlice
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.handoff import HandoffTicket
 from pdserve.prefill.peer_kv import PeerSendRequest, PeerSource, best_source

@@ -146,7 +146,7 @@ def samples_of(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], flo
 
 
 def test_tier_reuse_goes_to_the_log_line_and_per_tier_metrics() -> None:
-    from pdserve.engine.kv_cost import KVReuse, LoadDecision
+    from pdserve.engine.tiers.cost import KVReuse, LoadDecision
     from pdserve.router.timings import reuse_fields
 
     loaded = KVReuse(num_device_tokens=16, decision=LoadDecision("host", 48, 98304, 0.002, 0.05),

@@ -3,8 +3,8 @@ prefix_affinity), KV headroom for decode; the prefix index and placement over it
 
 from __future__ import annotations
 
-from pdserve.engine.block_hash import hash_full_blocks
-from pdserve.engine.kv_events import EventKind, Tier
+from pdserve.engine.kv.block_hash import hash_full_blocks
+from pdserve.engine.kv.events import EventKind, Tier
 from pdserve.planes.kv_event_wire import WorkerIdentity
 from pdserve.replica import WorkerLoad
 from pdserve.router.pairing import (

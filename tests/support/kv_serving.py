@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from pdserve.engine.kv_cache import GIB, kv_bytes_per_token
+from pdserve.engine.kv.cache import GIB, kv_bytes_per_token
 from pdserve.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:

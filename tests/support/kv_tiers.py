@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_outputs import RequestOutput
-from pdserve.engine.kv_cost import KVCostModel, KVReuse, LoadDecision
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiers.cost import KVCostModel, KVReuse, LoadDecision
 from tests.support.waiting import wait_for
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

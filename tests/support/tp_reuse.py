@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_cache import kv_bytes_per_token
+from pdserve.engine.kv.cache import kv_bytes_per_token
 from pdserve.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 10

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.kv_layout import kv_head_range
+from pdserve.engine.kv.layout import kv_head_range
 from pdserve.engine.model_config import ModelConfig
 
 

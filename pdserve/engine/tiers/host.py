@@ -16,10 +16,10 @@ from enum import StrEnum
 import torch
 import xxhash
 
-from pdserve.engine.host_block_pool import HostBlockPool
-from pdserve.engine.job_thread import JobThread
-from pdserve.engine.kv_events import KVEventLog
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.events import KVEventLog
+from pdserve.engine.kv.host_block_pool import HostBlockPool
+from pdserve.engine.kv.layout import KVLayout
+from pdserve.engine.tiers.job_thread import JobThread
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ mooncake = pytest.importorskip("mooncake.store", reason="mooncake-transfer-engin
                                "installed (pip install mooncake-transfer-engine-non-cuda)")
 
 from pdserve.cluster.kv_store_master import StoreMaster, start_master, stop_master  # noqa: E402
-from pdserve.engine.mooncake_store import MooncakeBlockStore, MooncakeSettings  # noqa: E402
+from pdserve.engine.tiers.mooncake import MooncakeBlockStore, MooncakeSettings  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -9,12 +9,12 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_hash import hash_full_blocks
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.host_block_pool import HostBlockPool
-from pdserve.engine.kv_events import KVEventLog
+from pdserve.engine.kv.block_hash import hash_full_blocks
+from pdserve.engine.kv.block_pool import BlockPool
+from pdserve.engine.kv.events import KVEventLog
+from pdserve.engine.kv.host_block_pool import HostBlockPool
+from pdserve.engine.kv.write_back import WriteBack
 from pdserve.engine.request import Request
-from pdserve.engine.write_back import WriteBack
 
 
 @dataclass

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from pdserve.engine.block_hash import hash_block, hash_full_blocks
-from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
+from pdserve.engine.kv.block_hash import hash_block, hash_full_blocks
+from pdserve.engine.kv.block_pool import BlockPool, NoFreeBlocksError
 
 
 def _cached_pool(num_blocks: int, num_cached: int) -> tuple[BlockPool, list[int], list[bytes]]:
@@ -169,8 +169,8 @@ def test_block_hash_chains_parent_tokens_and_salt() -> None:
 def test_state_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
-        "import pdserve.engine.scheduler, pdserve.engine.kv_cache_manager\n"
-        "import pdserve.engine.block_pool, pdserve.engine.sampling_params\n"
+        "import pdserve.engine.scheduler, pdserve.engine.kv.manager\n"
+        "import pdserve.engine.kv.block_pool, pdserve.engine.sampling_params\n"
         "assert 'torch' not in sys.modules, 'a torch-free module imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.store_tier import StoreUnavailableError
+from pdserve.engine.tiers.store import StoreUnavailableError
 
 logger = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_cost import KVCostModel, KVReuse
-from pdserve.engine.kv_events import Tier
+from pdserve.engine.kv.events import Tier
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.tiers.cost import KVCostModel, KVReuse
 
 # (request id, the plan, device blocks to write); the copy's end comes back through
 # `Scheduler.finish_load`.

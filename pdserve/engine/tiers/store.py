@@ -16,9 +16,9 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.host_kv_tier import block_digest
-from pdserve.engine.job_thread import JobThread
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.layout import KVLayout
+from pdserve.engine.tiers.host import block_digest
+from pdserve.engine.tiers.job_thread import JobThread
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class StoreUnavailableError(RuntimeError):
 
 
 class BlockStore(Protocol):
-    """A shared store's client as the tier uses it (`engine/mooncake_store.py`).
+    """A shared store's client as the tier uses it (`engine/tiers/mooncake.py`).
 
     ``staging`` is a flat uint8 tensor registered with the store: `put` sends rows
     ``[0, len(keys))`` under ``keys``, `get` fills them; both return per key whether it

@@ -5,7 +5,7 @@ Requests are driven by hand here; the scheduler tests cover the same paths end t
 
 from __future__ import annotations
 
-from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from pdserve.engine.free_block_queue import FreeBlockQueue, KVBlock
-from pdserve.engine.kv_events import KVEventLog, Tier
+from pdserve.engine.kv.events import KVEventLog, Tier
+from pdserve.engine.kv.free_block_queue import FreeBlockQueue, KVBlock
 
 
 class NoFreeBlocksError(RuntimeError):

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pdserve.engine.block_hash import hash_block
-from pdserve.engine.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.errors import OutOfKVBlocksError, PromptTooLongError
+from pdserve.engine.kv.block_hash import hash_block
+from pdserve.engine.kv.block_pool import BlockPool, NoFreeBlocksError
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.scheduler import Scheduler
 from tests.engine.scheduler_driver import FakeRunner, make_request, make_scheduler

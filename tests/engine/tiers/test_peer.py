@@ -14,10 +14,10 @@ import torch
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_cache import kv_cache_bytes
-from pdserve.engine.kv_cost import KVCostModel
+from pdserve.engine.kv.cache import kv_cache_bytes
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiers.cost import KVCostModel
 from tests.support.kv_tiers import run, settle
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.kv_cache import GIB, kv_cache_bytes, num_blocks_for_budget, num_kv_blocks_for
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.cache import GIB, kv_cache_bytes, num_blocks_for_budget, num_kv_blocks_for
+from pdserve.engine.kv.layout import KVLayout
 
 
 @dataclass(frozen=True)

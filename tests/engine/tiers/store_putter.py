@@ -9,8 +9,8 @@ from pathlib import Path
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.mooncake_store import MooncakeBlockStore, MooncakeSettings
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiers.mooncake import MooncakeBlockStore, MooncakeSettings
 
 
 def main() -> None:

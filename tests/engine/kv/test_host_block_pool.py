@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.host_block_pool import HostBlockPool
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.kv_cost import KVCostModel, TransferRate
-from pdserve.engine.kv_events import EventKind, KVEventLog, Tier
+from pdserve.engine.kv.events import EventKind, KVEventLog, Tier
+from pdserve.engine.kv.host_block_pool import HostBlockPool
+from pdserve.engine.kv.manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tiers.cost import KVCostModel, TransferRate
 
 
 def h(i: int) -> bytes:

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.engine_config import EngineConfig
-from pdserve.engine.kv_cache import allocate_kv_cache, kv_layout_for, max_model_len_for
+from pdserve.engine.kv.cache import allocate_kv_cache, kv_layout_for, max_model_len_for
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.memory_profile import describe_engine, plan_kv_cache
 from pdserve.engine.model_runner import ModelRunner

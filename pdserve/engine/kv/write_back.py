@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
 
-from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.host_block_pool import HostBlockPool
+from pdserve.engine.kv.block_pool import BlockPool
+from pdserve.engine.kv.host_block_pool import HostBlockPool
 
 # Hashes this worker put into the shared store, remembered so a block is not put again.
 MAX_KNOWN_PUTS = 1 << 18

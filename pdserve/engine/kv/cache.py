@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.kv_layout import DTYPE_BY_NAME, NAME_BY_DTYPE, KVLayout
+from pdserve.engine.kv.layout import DTYPE_BY_NAME, NAME_BY_DTYPE, KVLayout
 from pdserve.engine.model_config import ModelConfig
 
 GIB = 1 << 30

@@ -14,8 +14,8 @@ import torch
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_cache import allocate_kv_cache, kv_layout_for
-from pdserve.engine.kv_layout import KVLayout
+from pdserve.engine.kv.cache import allocate_kv_cache, kv_layout_for
+from pdserve.engine.kv.layout import KVLayout
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.sampling_params import SamplingParams
 from tests.support.kv_tiers import run, settle
@@ -25,8 +25,8 @@ pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not in
                     "(pip install mooncake-transfer-engine-non-cuda)")
 
 from pdserve.cluster.kv_store_master import StoreMaster, start_master, stop_master  # noqa: E402
-from pdserve.engine.mooncake_store import MooncakeBlockStore, MooncakeSettings  # noqa: E402
-from pdserve.engine.store_tier import StoreDone, StoreKVTier  # noqa: E402
+from pdserve.engine.tiers.mooncake import MooncakeBlockStore, MooncakeSettings  # noqa: E402
+from pdserve.engine.tiers.store import StoreDone, StoreKVTier  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ import torch
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.kv_cache import GIB, kv_cache_bytes
+from pdserve.engine.kv.cache import GIB, kv_cache_bytes
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.sampling_params import SamplingParams
 from tests.support.kv_tiers import always_load, run, settle

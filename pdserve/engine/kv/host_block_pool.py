@@ -8,7 +8,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.kv_events import KVEventLog, Tier
+from pdserve.engine.kv.events import KVEventLog, Tier
 
 
 @dataclass

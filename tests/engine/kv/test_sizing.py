@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.errors import InvalidRequestError
-from pdserve.engine.kv_cache import GIB
-from pdserve.engine.kv_layout import KVLayout
-from pdserve.engine.kv_sizing import DeviceMemory, kv_budget_from_memory, kv_budget_from_size
+from pdserve.engine.kv.cache import GIB
+from pdserve.engine.kv.layout import KVLayout
+from pdserve.engine.kv.sizing import DeviceMemory, kv_budget_from_memory, kv_budget_from_size
 
 # Llama-3-8B's cache: 32 layers, 8 KV heads of 128, bf16: 128 KiB per token.
 LLAMA3_8B = KVLayout("fp", "bfloat16", block_size=16, num_layers=32, num_kv_heads=8,

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pdserve.engine.kv_cache import allocate_kv_cache
-from pdserve.engine.store_tier import StoreDone, StoreKVTier
+from pdserve.engine.kv.cache import allocate_kv_cache
+from pdserve.engine.tiers.store import StoreDone, StoreKVTier
 from tests.handoff.handoff_cases import random_layout
 from tests.support.waiting import wait_for
 
