@@ -49,16 +49,19 @@ def settle(engine) -> None:  # noqa: ANN001
 def measure(tier: str, path: Path, master, lengths: tuple[int, ...], repeats: int,
             ) -> list[dict[str, float]]:  # noqa: ANN001
     from pdserve.cluster.config import engine_config
+    from pdserve.cluster.kv_store_section import KVStoreSection
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.tiers.mooncake import MooncakeBlockStore, MooncakeSettings
+    from pdserve.engine.tiers.mooncake import MooncakeBlockStore
 
     blocks = max(lengths) // 16 + 2
     host_gb = 0.5 if tier == "host" else 0.0
     engine = LLMEngine(engine_config(str(path), num_kv_blocks=blocks, host_kv_cache_gb=host_gb,
                                      max_num_batched_tokens=max(lengths) + 16))
     if tier == "store":
-        engine.tiers.attach_store(MooncakeBlockStore(MooncakeSettings(
-            master.rpc_address, master.metadata_server, "127.0.0.1", 512 << 20, 64 << 20)))
+        section = KVStoreSection(enabled=True, master_address=master.rpc_address,
+                                 metadata_server=master.metadata_server, segment_mb=512,
+                                 staging_mb=64)
+        engine.tiers.attach_store(MooncakeBlockStore(section.client_settings("127.0.0.1")))
     assert engine.scheduler.loads is not None
     engine.scheduler.loads.cost = AlwaysLoad()  # measure every load, whatever the model says
     vocab = engine.loaded.config.vocab_size

@@ -133,9 +133,10 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
         rank_settings(cfg, "decode", decode_handoff), prefill_tp)
     prefill = None
     if cfg.mode == "disaggregated":
-        prefill = serve.deployment(PrefillWorker, **_deployment_options(cfg, "prefill")).bind(
+        options = _deployment_options(cfg, "prefill")
+        prefill = serve.deployment(PrefillWorker, **options).bind(
             engine_config, prefill_handoff, cfg.handoff.drain_timeout_s, node_ip, kv_store,
-            rank_settings(cfg, "prefill", prefill_handoff), ServeReplicaContext())
+            rank_settings(cfg, "prefill", prefill_handoff), ServeReplicaContext(options["name"]))
     settings = IngressSettings(
         model_path=model_path, served_model_name=cfg.model_name(), max_model_len=max_model_len,
         max_in_flight_requests=cfg.router.max_in_flight_requests,
@@ -153,6 +154,7 @@ def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: Hando
                                api_keys=cfg.resolve_api_keys(),
                                metrics_require_api_key=cfg.http.metrics_require_api_key),
         stalls=StallSettings(cfg.http.stalled_stream_timeout_s, cfg.http.max_unsent_stream_bytes),
+        kv_block_size=cfg.engine.block_size,
     )
     # The ingress refuses beyond its admission limit itself (429 with an OpenAI body, before
     # any work); Serve hands it every request at once, so overload never waits in a Serve

@@ -9,13 +9,12 @@ from typing import Any
 
 from ray import serve
 
-PREFILL_DEPLOYMENT = "prefill"
-
 
 class ServeReplicaContext:
     """`prefill.worker.ReplicaContext` inside a Serve replica (pickled by reference)."""
 
-    def __init__(self) -> None:
+    def __init__(self, deployment: str) -> None:
+        self._deployment = deployment  # the prefill role's deployment, as the builder named it
         self._handle: Any = None
 
     def own_replica_id(self) -> str:
@@ -26,5 +25,5 @@ class ServeReplicaContext:
         """The prefill deployment's handle in this replica's application (made once)."""
         if self._handle is None:
             app = serve.get_replica_context().app_name
-            self._handle = serve.get_deployment_handle(PREFILL_DEPLOYMENT, app_name=app)
+            self._handle = serve.get_deployment_handle(self._deployment, app_name=app)
         return self._handle

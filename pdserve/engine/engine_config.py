@@ -28,7 +28,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None
     # The fraction of its device this worker owns: colocated replicas with fractional GPUs
     # share one, each sizing its KV from its share (`kv_sizing.kv_budget_from_memory`).
-    device_share: float = 1.0
+    device_share: float
     # Device memory the worker's KV handoff stages pieces in, kept out of a measured KV cache
     # (0: a worker without a handoff).
     handoff_staging_bytes: int
@@ -38,12 +38,12 @@ class EngineConfig:
     max_model_len: int | None
     enable_prefix_caching: bool
     # Host tier per worker in GiB (0: none): evicted cached blocks live on there.
-    host_kv_cache_gb: float = 0.0
+    host_kv_cache_gb: float
     # Prefill role: pull a longer prefix that another prefill worker caches when that beats
     # computing it; a pull's assumed cost until one is measured.
-    peer_kv_pull: bool = False
-    peer_link_latency_s: float = 0.0
-    peer_link_bytes_per_s: float = 0.0
+    peer_kv_pull: bool
+    peer_link_latency_s: float
+    peer_link_bytes_per_s: float
     # Cap on one request's prefill chunk per step (0: no cap beyond the step budget), so a
     # long prompt cannot stall the decodes that share its steps.
     long_prefill_token_threshold: int

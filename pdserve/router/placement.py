@@ -43,7 +43,8 @@ class Placement:
 class PrefixPlacement:
     """The ingress's prefix index and the rankings made from it, one feed per role."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, block_size: int) -> None:
+        self.block_size = block_size  # the config's; a replica's own feed names its own
         self.feeds = {"prefill": KVEventFeed(token), "decode": KVEventFeed(token)}
         self.recent = {role: RecentRoutes() for role in self.feeds}
 
@@ -62,7 +63,7 @@ class PrefixPlacement:
         hashed = feed.prompt_hashes(prompt, MAX_PREFIX_BLOCKS)
         costs: dict[str, PrefixCost] = {}
         matches: dict[str, PrefixMatch] = {}
-        block_size = 16
+        block_size = self.block_size
         least_waiting = min((load.num_waiting for _, load in loads), default=0)
         for replica_id, load in loads:
             layout, hashes, block_size = hashed.get(replica_id, ("", [], block_size))

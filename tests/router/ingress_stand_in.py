@@ -50,7 +50,7 @@ def ingress_with(checkpoint: str, pipeline: RecordingPipeline, request_timeout_s
     http = HttpGuardSettings(max_body_bytes=4 << 20, api_keys=(), metrics_require_api_key=True)
     settings = IngressSettings(checkpoint, "tiny", 256, 8, request_timeout_s, paths,
                                plane_token="a-cluster-token-0123456789", http=http,
-                               stalls=stalls)
+                               stalls=stalls, kv_block_size=16)
     ingress = Ingress(decode=None, prefill=None, settings=settings)
     ingress.pipeline = pipeline  # type: ignore[assignment]
     return ingress

@@ -63,7 +63,7 @@ def test_index_events_apply_in_order_and_a_gap_drops_the_replica() -> None:
 
 
 def test_placement_ranks_by_the_engines_own_hashes() -> None:
-    placement = PrefixPlacement("token-0123456789abcdef")
+    placement = PrefixPlacement("token-0123456789abcdef", 16)
     feed = placement.feeds["prefill"]
     prompt = list(range(64))
     chain = hash_full_blocks(prompt, 16, "salt")
@@ -77,7 +77,7 @@ def test_placement_ranks_by_the_engines_own_hashes() -> None:
 
 
 def test_a_decode_prefix_holder_keeps_a_repeat_unless_far_busier() -> None:
-    placement = PrefixPlacement("token-0123456789abcdef")
+    placement = PrefixPlacement("token-0123456789abcdef", 16)
     feed = placement.feeds["decode"]
     prompt = list(range(64))
     chain = hash_full_blocks(prompt, 16, "salt")
@@ -105,7 +105,7 @@ def test_headroom_ranks_free_kv_first_within_band() -> None:
 
 
 def test_peer_prefixes_name_the_replicas_whose_device_or_host_holds_the_prompt() -> None:
-    placement = PrefixPlacement("token-0123456789abcdef")
+    placement = PrefixPlacement("token-0123456789abcdef", 16)
     feed = placement.feeds["prefill"]
     prompt = list(range(80))
     chain = hash_full_blocks(prompt, 16, "salt")

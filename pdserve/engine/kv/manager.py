@@ -43,7 +43,7 @@ class KVCacheManager:
     """
 
     def __init__(
-        self, num_blocks: int, block_size: int, salt: str, enable_prefix_caching: bool = True,
+        self, num_blocks: int, block_size: int, salt: str, enable_prefix_caching: bool,
         events: KVEventLog | None = None, host_pool: HostBlockPool | None = None,
         store_puts: bool = False,
     ) -> None:

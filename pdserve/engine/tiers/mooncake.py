@@ -27,8 +27,8 @@ class MooncakeSettings:
     local_hostname: str  # this worker's address for the store's transfers
     segment_bytes: int  # memory this worker mounts into the shared pool
     staging_bytes: int  # the registered buffer blocks travel through
-    protocol: str = "tcp"
-    device_name: str = ""
+    protocol: str  # "tcp" or "rdma"
+    device_name: str  # RDMA devices for rdma
 
 
 class MooncakeBlockStore:

@@ -91,7 +91,7 @@ def _request(rid: str, prompt: list[int]) -> Request:
 def test_released_cached_blocks_are_pinned_until_their_host_copy_ends() -> None:
     log = KVEventLog()
     host = HostBlockPool(8, log)
-    kv = KVCacheManager(4, 4, "m", events=log, host_pool=host)
+    kv = KVCacheManager(4, 4, "m", True, events=log, host_pool=host)
     a = _request("a", list(range(12)))
     assert kv.allocate_slots(a, 12) is not None
     a.num_computed_tokens = 12

@@ -23,7 +23,7 @@ def _compute_prompt(kv: KVCacheManager, request: Request) -> None:
 
 
 def test_allocate_slots_grows_the_table_only_at_block_boundaries() -> None:
-    kv = KVCacheManager(8, 4, "m")
+    kv = KVCacheManager(8, 4, "m", True)
     r = _request("a", list(range(10)))
     assert len(kv.allocate_slots(r, 10) or []) == 3
     r.num_computed_tokens = 10
@@ -35,7 +35,7 @@ def test_allocate_slots_grows_the_table_only_at_block_boundaries() -> None:
 
 
 def test_allocate_slots_returns_none_and_changes_nothing_when_full() -> None:
-    kv = KVCacheManager(4, 4, "m")
+    kv = KVCacheManager(4, 4, "m", True)
     a = _request("a", list(range(12)))
     assert kv.allocate_slots(a, 12) is not None
     b = _request("b", list(range(100, 108)))
@@ -45,7 +45,7 @@ def test_allocate_slots_returns_none_and_changes_nothing_when_full() -> None:
 
 
 def test_prefix_hit_shares_blocks_and_never_covers_the_last_token() -> None:
-    kv = KVCacheManager(16, 4, "m")
+    kv = KVCacheManager(16, 4, "m", True)
     a = _request("a", list(range(12)))
     _compute_prompt(kv, a)
     same = _request("same", list(range(12)))  # identical prompt, 3 full blocks
@@ -65,7 +65,7 @@ def test_prefix_hit_shares_blocks_and_never_covers_the_last_token() -> None:
 
 
 def test_divergent_prompt_hits_only_the_common_prefix() -> None:
-    kv = KVCacheManager(16, 4, "m")
+    kv = KVCacheManager(16, 4, "m", True)
     _compute_prompt(kv, _request("a", list(range(12))))
     b = _request("b", list(range(6)) + [99] * 6)
     cached, num_cached = kv.find_cached_prefix(b)
@@ -73,7 +73,7 @@ def test_divergent_prompt_hits_only_the_common_prefix() -> None:
 
 
 def test_other_salt_never_hits() -> None:
-    kv = KVCacheManager(8, 4, "model-a")
+    kv = KVCacheManager(8, 4, "model-a", True)
     _compute_prompt(kv, _request("a", list(range(9))))
     assert kv.find_cached_prefix(_request("c", list(range(9))))[1] == 8
     kv.salt = "model-b"  # the same cache contents, looked up as another model
@@ -81,7 +81,7 @@ def test_other_salt_never_hits() -> None:
 
 
 def test_free_releases_tail_blocks_first_so_they_are_evicted_first() -> None:
-    kv = KVCacheManager(4, 4, "m")
+    kv = KVCacheManager(4, 4, "m", True)
     a = _request("a", list(range(16)))
     _compute_prompt(kv, a)  # 4 full cached blocks
     a_blocks = kv.block_ids("a")
@@ -92,7 +92,7 @@ def test_free_releases_tail_blocks_first_so_they_are_evicted_first() -> None:
 
 
 def test_hit_on_free_cached_blocks_is_not_evicted_by_its_own_allocation() -> None:
-    kv = KVCacheManager(4, 4, "m")
+    kv = KVCacheManager(4, 4, "m", True)
     x = _request("x", list(range(8)))
     _compute_prompt(kv, x)
     y = _request("y", list(range(100, 108)))
@@ -110,7 +110,7 @@ def test_hit_on_free_cached_blocks_is_not_evicted_by_its_own_allocation() -> Non
 
 
 def test_hits_plus_new_blocks_that_do_not_fit_touch_nothing() -> None:
-    kv = KVCacheManager(4, 4, "m")
+    kv = KVCacheManager(4, 4, "m", True)
     _compute_prompt(kv, a := _request("a", list(range(8))))
     kv.free(a)
     big = _request("big", list(range(8)) + [9] * 12)  # 2 hits + 3 new > 4 blocks
@@ -122,7 +122,7 @@ def test_hits_plus_new_blocks_that_do_not_fit_touch_nothing() -> None:
 
 
 def test_cache_full_blocks_registers_only_computed_full_blocks() -> None:
-    kv = KVCacheManager(8, 4, "m")
+    kv = KVCacheManager(8, 4, "m", True)
     a = _request("a", list(range(10)))
     kv.allocate_slots(a, 10)
     a.num_computed_tokens = 6
@@ -141,7 +141,7 @@ def test_cache_full_blocks_registers_only_computed_full_blocks() -> None:
 
 
 def test_prefix_caching_off() -> None:
-    kv = KVCacheManager(8, 4, "m", enable_prefix_caching=False)
+    kv = KVCacheManager(8, 4, "m", False)
     _compute_prompt(kv, _request("a", list(range(9))))
     assert kv.find_cached_prefix(_request("b", list(range(9)))) == ([], 0)
     assert kv.num_cached_blocks == 0

@@ -10,14 +10,13 @@ from pathlib import Path
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tiers.mooncake import MooncakeBlockStore, MooncakeSettings
+from tests.support.kv_tiers import store_client
 
 
 def main() -> None:
     path, rpc, metadata, ready = sys.argv[1:5]
     engine = LLMEngine(engine_config(path, num_kv_blocks=64))
-    engine.tiers.attach_store(MooncakeBlockStore(MooncakeSettings(
-        rpc, metadata, "127.0.0.1", 32 << 20, 8 << 20)))
+    engine.tiers.attach_store(store_client(rpc, metadata))
     vocab = engine.loaded.config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0)
     seed = 0

@@ -20,14 +20,13 @@ from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.sampling_params import SamplingParams
-from tests.support.kv_tiers import run, settle
+from tests.support.kv_tiers import run, settle, store_client
 from tests.support.waiting import wait_for
 
 mooncake = pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not "
                                "installed (pip install mooncake-transfer-engine-non-cuda)")
 
 from pdserve.cluster.kv_store_master import StoreMaster, start_master, stop_master  # noqa: E402
-from pdserve.engine.tiers.mooncake import MooncakeBlockStore, MooncakeSettings  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -44,8 +43,7 @@ def master(tmp_path: Path) -> Iterator[StoreMaster]:
 def store_engine(path: str, master: StoreMaster, loaded: LoadedModel | None = None,
                  **engine: object) -> LLMEngine:
     e = LLMEngine(engine_config(path, num_kv_blocks=64, **engine), loaded=loaded)
-    e.tiers.attach_store(MooncakeBlockStore(MooncakeSettings(
-        master.rpc_address, master.metadata_server, "127.0.0.1", 32 << 20, 8 << 20)))
+    e.tiers.attach_store(store_client(master.rpc_address, master.metadata_server))
     return e
 
 

@@ -18,14 +18,14 @@ from pdserve.engine.kv.cache import allocate_kv_cache, kv_layout_for
 from pdserve.engine.kv.layout import KVLayout
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.sampling_params import SamplingParams
-from tests.support.kv_tiers import run, settle
+from tests.support.kv_tiers import run, settle, store_client
 from tests.support.waiting import wait_for
 
 pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine is not installed "
                     "(pip install mooncake-transfer-engine-non-cuda)")
 
 from pdserve.cluster.kv_store_master import StoreMaster, start_master, stop_master  # noqa: E402
-from pdserve.engine.tiers.mooncake import MooncakeBlockStore, MooncakeSettings  # noqa: E402
+from pdserve.engine.tiers.mooncake import MooncakeBlockStore  # noqa: E402
 from pdserve.engine.tiers.store import StoreDone, StoreKVTier  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
@@ -41,8 +41,7 @@ def master(tmp_path: Path) -> Iterator[StoreMaster]:
 
 
 def client(master: StoreMaster) -> MooncakeBlockStore:
-    return MooncakeBlockStore(MooncakeSettings(master.rpc_address, master.metadata_server,
-                                               "127.0.0.1", 32 << 20, 8 << 20))
+    return store_client(master.rpc_address, master.metadata_server)
 
 
 def store_engine(path: str, master: StoreMaster, dtype: str) -> LLMEngine:
