@@ -88,7 +88,8 @@ class Ingress:
         self.roles: RoleMonitor | None = None
         ranked = (settings.pipeline.prefill_ranked or settings.pipeline.decode_ranked
                   or settings.pipeline.peer_pull)
-        self.placement = PrefixPlacement(settings.plane_token, settings.kv_block_size) if ranked else None
+        self.placement = (PrefixPlacement(settings.plane_token, settings.kv_block_size)
+                          if ranked else None)
         if decode is not None:
             handles = {"decode": decode} | ({"prefill": prefill} if prefill is not None else {})
             self.roles = RoleMonitor(handles, self._replica_counts, on_loads=self._follow_loads)
