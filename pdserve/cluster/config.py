@@ -31,14 +31,13 @@ from pdserve.cluster.config_sections import (
     MIN_TOKEN_CHARS,
     EngineSection,
     HandoffSection,
-    HttpSection,
     ModelSection,
     RouterSection,
     Section,
-    check_api_key,
     default_staging_bytes,
     kv_tier_problems,
 )
+from pdserve.cluster.http_section import HttpSection, check_api_key
 from pdserve.cluster.kv_store_section import KVStoreSection
 from pdserve.cluster.role_sections import Role, Roles
 from pdserve.engine.model_config import ModelConfig

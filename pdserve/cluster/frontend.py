@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-from pdserve.cluster.config_sections import HttpSection
+from pdserve.cluster.http_section import HttpSection
 
 # Ports after http.port that further ingress replicas on one node take (direct ingress).
 MAX_INGRESS_REPLICAS_PER_NODE = 16

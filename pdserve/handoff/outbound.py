@@ -20,6 +20,7 @@ import xxhash
 
 from pdserve.engine.kv.layout import KVSlice
 from pdserve.handoff.device_stream import HandoffStream
+from pdserve.handoff.digest import combine_digests
 from pdserve.handoff.errors import HandoffError, HandoffProtocolError
 from pdserve.handoff.kvcopy import (
     byte_rows,
@@ -32,6 +33,8 @@ from pdserve.handoff.kvcopy import (
 from pdserve.handoff.plan import PieceSpec
 from pdserve.handoff.staging import StagingPool
 from pdserve.handoff.ticket import HandoffTicket, SendResult
+
+Record = tuple[PieceSpec, int, int]  # a sent piece's spec, byte count and digest
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,20 @@ class OutboundTransfer:
         if self._ids_np is None:
             self._ids_np = checked_ids(self.block_ids.numpy(), num_cache_blocks)
         return self._ids_np
+
+    def begin_body(self, digest_kind: str) -> dict[str, Any]:
+        """The BEGIN frame's fields: which reservation, and what the pieces will hold."""
+        ticket = self.ticket
+        return {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
+                "request_id": ticket.request_id, "layout": self.kv.layout.to_dict(),
+                "heads": list(ticket.kv.heads), "num_blocks": ticket.num_blocks,
+                "digest": digest_kind}
+
+    def fence_body(self, records: list[Record], first_token_id: int) -> dict[str, Any]:
+        """The FENCE frame's fields: the counts and digest of every piece announced."""
+        return {"tid": self.transfer_id, "num_pieces": len(records),
+                "nbytes": sum(r[1] for r in records), "digest": combine_digests(records),
+                "first_token_id": first_token_id, "num_tokens": self.ticket.num_tokens}
 
     def request_fence(self) -> bool:
         """True if every layer was gathered; otherwise the transfer fails (caller bug)."""

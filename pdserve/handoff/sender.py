@@ -15,7 +15,7 @@ import torch
 from pdserve.engine.kv.layout import KVLayout, KVSlice, LayoutMismatchError
 from pdserve.handoff.contract import KVSender
 from pdserve.handoff.device_stream import HandoffStream
-from pdserve.handoff.digest import combine_digests, digest, digest_kind
+from pdserve.handoff.digest import digest, digest_kind
 from pdserve.handoff.errors import (
     HandoffCancelledError,
     HandoffCapacityError,
@@ -26,16 +26,21 @@ from pdserve.handoff.errors import (
     error_from_code,
 )
 from pdserve.handoff.kvcopy import cache_rows
-from pdserve.handoff.outbound import DeferredPiece, FenceRequest, OutboundTransfer, ReadyPiece
+from pdserve.handoff.outbound import (
+    DeferredPiece,
+    FenceRequest,
+    OutboundTransfer,
+    ReadyPiece,
+    Record,
+)
 from pdserve.handoff.peers import PeerLink
-from pdserve.handoff.plan import PieceSpec, plan_pieces
+from pdserve.handoff.plan import plan_pieces
 from pdserve.handoff.staging import StagingAdmission, StagingPool, StagingStats
 from pdserve.handoff.ticket import HandoffTicket
 from pdserve.handoff.transport import HandoffTransport
 from pdserve.handoff.wire import PIECES_PER_FRAME, Kind, WireError, data_tag, peek, piece_entry
 
 log = logging.getLogger(__name__)
-Record = tuple[PieceSpec, int, int]  # a sent piece's spec, byte count and digest
 _ROLE_KINDS = (Kind.CHALLENGE, Kind.WELCOME, Kind.REFUSED, Kind.PONG, Kind.ABORT_TO_SENDER,
                Kind.DONE)
 
@@ -193,13 +198,7 @@ class HandoffSender(KVSender):
         never waits on a piece that cannot come."""
         try:
             await link.ready
-            ticket = transfer.ticket
-            link.send(Kind.BEGIN, {"tid": ticket.transfer_id, "instance": ticket.receiver_instance,
-                                   "request_id": ticket.request_id,
-                                   "layout": transfer.kv.layout.to_dict(),
-                                   "heads": list(ticket.kv.heads),
-                                   "num_blocks": ticket.num_blocks,
-                                   "digest": digest_kind(self._pool.device)})
+            link.send(Kind.BEGIN, transfer.begin_body(digest_kind(self._pool.device)))
             transfer.begun = True
             records: list[Record] = []
             while transfer.error is None:
@@ -211,11 +210,7 @@ class HandoffSender(KVSender):
                 if pieces:
                     records.extend(await self._announce(transfer, link, pieces))
                 if isinstance(last, FenceRequest):
-                    link.send(Kind.FENCE, {
-                        "tid": transfer.transfer_id, "num_pieces": len(records),
-                        "nbytes": sum(r[1] for r in records), "digest": combine_digests(records),
-                        "first_token_id": last.first_token_id,
-                        "num_tokens": transfer.ticket.num_tokens})
+                    link.send(Kind.FENCE, transfer.fence_body(records, last.first_token_id))
                     break
                 if last is None and not pieces:
                     break  # woken to stop

@@ -56,8 +56,7 @@ from pdserve.router.token_plane import TokenPlane
 logger = logging.getLogger("pdserve.requests")  # one JSON line per request
 
 DRAINED_MESSAGE = "the server is shutting down and stopped this generation; retry"
-# How long a scrape waits for the roles' first load reports (Serve delivers them within about
-# two report periods of the role monitor's start).
+# A scrape waits this long for the roles' first load reports (Serve: ~2 report periods).
 FIRST_LOADS_WAIT_S = 3.0
 
 
