@@ -11,8 +11,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -139,31 +139,44 @@ def save_figure(fig: Any, name: str, suptitle: str) -> Path:
 
 
 @contextmanager
-def role_pair(target: Any, args: Any) -> Iterator[tuple[Any, Any]]:
-    """A receiver and a sender process (``target(conn, role, *args)``, spawned), each driven by
-    (op, args) tuples over a pipe and saying "up" first; yields their pipes (receiver,
-    sender). On exit each gets ("stop", None) and is joined (killed after 30 s)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    pipes, processes = [], []
+def started_pair(start: Callable[[str], tuple[Any, Callable[[], None]]],
+                 ) -> Iterator[tuple[Any, Any]]:
+    """A receiver and a sender process, each started by ``start(role)`` -> (its pipe, a
+    function that joins it, killing it after 30 s), driven by (op, args) tuples and saying
+    "up" first; yields their pipes (receiver, sender). On exit each gets ("stop", None)."""
+    pipes, joins = [], []
     try:
         for role in ("receiver", "sender"):
-            parent, child = ctx.Pipe()
-            process = ctx.Process(target=target, args=(child, role, *args))
-            process.start()
-            pipes.append(parent)
-            processes.append(process)
+            pipe, join = start(role)
+            pipes.append(pipe)
+            joins.append(join)
         for pipe in pipes:
             assert pipe.recv() == "up"
         yield pipes[0], pipes[1]
     finally:
         for pipe in pipes:
             pipe.send(("stop", None))
-        for process in processes:
+        for join in joins:
+            join()
+
+
+def role_pair(target: Any, args: Any) -> AbstractContextManager[tuple[Any, Any]]:
+    """`started_pair` of two spawned processes on this machine, ``target(conn, role, *args)``."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+
+    def start(role: str) -> tuple[Any, Callable[[], None]]:
+        parent, child = ctx.Pipe()
+        process = ctx.Process(target=target, args=(child, role, *args))
+        process.start()
+
+        def join() -> None:
             process.join(30)
             if process.is_alive():
                 process.kill()
+        return parent, join
+    return started_pair(start)
 
 
 def transfer_block_ids(rng: Any, size: int, num_cache_blocks: int,

@@ -15,8 +15,8 @@ import os
 import statistics
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from multiprocessing.connection import Connection, Pipe
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "benchmarks"), str(REPO)]
 
+from _common import started_pair  # noqa: E402
 from handoff_bandwidth import Rates, measure_pair  # noqa: E402
 
 from tests.support.hosts import Host, HostNetwork, namespace_hosts, netem_missing  # noqa: E402
@@ -37,30 +38,26 @@ CHILD = ("import handoff_bandwidth as hb, sys; hb.BENCH_CONFIG['net_devices'] = 
 
 def host_pair_on(receiver_host: Host, sender_host: Host) -> Any:
     """`_common.role_pair`'s contract with the receiver on one host and the sender on another."""
-    @contextmanager
-    def pair(target: Any, args: Any) -> Iterator[tuple[Connection, Connection]]:
+    hosts = {"receiver": receiver_host, "sender": sender_host}
+
+    def pair(target: Any, args: Any) -> AbstractContextManager[tuple[Connection, Connection]]:
         del target  # always handoff_worker: the child imports it by name
-        pipes, processes = [], []
         env = {**os.environ, "PYTHONPATH": f"{REPO / 'benchmarks'}:{REPO}"}
-        try:
-            for role, host in (("receiver", receiver_host), ("sender", sender_host)):
-                parent, child = Pipe()
-                processes.append(host.popen(
-                    [sys.executable, "-c", CHILD, str(child.fileno()), role, str(args[0])],
-                    env, pass_fds=[child.fileno()], cwd=str(REPO)))
-                child.close()
-                pipes.append(parent)
-            for pipe in pipes:
-                assert pipe.recv() == "up"
-            yield pipes[0], pipes[1]
-        finally:
-            for pipe in pipes:
-                pipe.send(("stop", None))
-            for process in processes:
+
+        def start(role: str) -> tuple[Connection, Callable[[], None]]:
+            parent, child = Pipe()
+            process = hosts[role].popen(
+                [sys.executable, "-c", CHILD, str(child.fileno()), role, str(args[0])],
+                env, pass_fds=[child.fileno()], cwd=str(REPO))
+            child.close()
+
+            def join() -> None:
                 try:
                     process.wait(30)
                 except subprocess.TimeoutExpired:
                     process.kill()
+            return parent, join
+        return started_pair(start)
     return pair
 
 

@@ -189,14 +189,6 @@ class StagingAdmission:
                 self.pool.release(granted)  # granted just as we were cancelled
             raise
 
-    def _allocate(self, size: int) -> torch.Tensor:
-        if self._stream is None:
-            return torch.empty(size, dtype=torch.uint8, device=self.device)
-        with torch.cuda.stream(self._stream):
-            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._stream.synchronize()
-        return buffer
-
     def release(self, buffer: torch.Tensor) -> None:
         self.pool.release(buffer)
         self.pump()

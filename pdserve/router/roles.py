@@ -5,7 +5,6 @@ KV use and queues, refreshed in the background for /health, /metrics and path ch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.replica import WorkerLoad
+from pdserve.router.background import BackgroundTask
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class RoleMonitor:
         self.probe_timeout_s = probe_timeout_s
         self.counts: dict[str, int] | None = None  # None until the first poll answered
         self._loads: list[ReplicaLoad] = []
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundTask(self._run)
         self.refreshed = asyncio.Event()
         self.loads_known = asyncio.Event()  # set once every role reported a replica's load
         self._dead_since: dict[str, float] = {}
@@ -62,14 +62,10 @@ class RoleMonitor:
 
     def start(self) -> None:
         """Start polling on the running loop (idempotent)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._background.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._background.stop()
 
     def missing(self) -> list[str]:
         """Roles with no running replica, or whose replica was just reported dead."""

@@ -11,7 +11,6 @@ cleanup ends the generations (freeing their admission slots and KV blocks), reco
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
@@ -20,6 +19,7 @@ from typing import Protocol
 
 from starlette.types import Message, Receive, Scope, Send
 
+from pdserve.router.background import BackgroundTask
 from pdserve.router.sse import EventStreamResponse
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class StallWatch:
         self.settings = settings
         self._clock = clock
         self._streams: set[WatchedStream] = set()
-        self._task: asyncio.Task[None] | None = None
+        self._background = BackgroundTask(self._run)
         self.num_stalled = 0
 
     def add(self, stream: WatchedStream) -> None:
@@ -118,14 +118,10 @@ class StallWatch:
 
     def start(self) -> None:
         """Sweep in the background on the running loop (idempotent)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        self._background.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._background.stop()
 
     async def _run(self) -> None:
         period_s = min(1.0, self.settings.timeout_s / _CHECKS_PER_TIMEOUT)

@@ -7,7 +7,6 @@ requests load from the store loses no request and no decode block; its replaceme
 from __future__ import annotations
 
 import os
-import random
 import signal
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,11 +17,14 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from pdserve.cluster.config import engine_config
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.sampling_params import SamplingParams
-from tests.support.kv_serving import complete, host_gb, settled
+from tests.support.kv_serving import (
+    complete,
+    greedy_completer,
+    host_gb,
+    random_documents,
+    settled,
+    timings_with_cached,
+)
 from tests.support.metrics import metric_value
 from tests.support.processes import replica_pids
 from tests.support.waiting import wait_for
@@ -89,9 +91,7 @@ def app(ray_serve: ServedApps, checkpoint: str, master: StoreMaster) -> Iterator
 
 
 def make_documents(path: str, seed: int) -> list[list[int]]:
-    vocab = ModelConfig.from_checkpoint(path).vocab_size
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(DOC_TOKENS)] for _ in range(NUM_DOCS)]
+    return random_documents(path, NUM_DOCS, DOC_TOKENS, seed)
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +101,8 @@ def documents(checkpoint: str) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def greedy(checkpoint: str) -> Iterator[Callable[[list[int]], str]]:
-    engine = LLMEngine(engine_config(checkpoint, num_kv_blocks=512,
-                                     enable_prefix_caching=False))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    yield lambda ids: engine.tokenizer.decode(engine.generate([ids], params)[0])
-    engine.close()
+    with greedy_completer(checkpoint, MAX_TOKENS) as complete_greedily:
+        yield complete_greedily
 
 
 def prefill_stats(served: ServedApps) -> dict[str, Any]:
@@ -124,8 +121,7 @@ def check_repeats_load_from_the_store(served: ServedApps, app_name: str, url: st
             body = complete(url, ids, MAX_TOKENS)
             assert body["choices"][0]["text"] == greedy(ids), (round_, k)
             if round_:
-                repeats.append(body["pdserve_timings"][0] | {
-                    "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]})
+                repeats.append(timings_with_cached(body))
         if not round_:  # every put done: the first documents are in the store, not the host
             wait_for(lambda: settled(served, app_name), 30, "the first round's puts")
     # The first repeat's document left the device and its first blocks the host tier: the

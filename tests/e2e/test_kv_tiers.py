@@ -7,7 +7,6 @@ entries go at once."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -15,11 +14,14 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from pdserve.cluster.config import engine_config
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.sampling_params import SamplingParams
-from tests.support.kv_serving import complete, host_gb, settled
+from tests.support.kv_serving import (
+    complete,
+    greedy_completer,
+    host_gb,
+    random_documents,
+    settled,
+    timings_with_cached,
+)
 from tests.support.metrics import metric_value
 from tests.support.processes import replica_pids
 from tests.support.waiting import wait_for
@@ -48,18 +50,13 @@ def tiered(path: str, mode: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def documents(tiny_checkpoints: dict[str, str]) -> list[list[int]]:
-    vocab = ModelConfig.from_checkpoint(tiny_checkpoints["llama"]).vocab_size
-    rng = random.Random(7)
-    return [[rng.randrange(3, vocab) for _ in range(DOC_TOKENS)] for _ in range(6)]
+    return random_documents(tiny_checkpoints["llama"], 6, DOC_TOKENS, 7)
 
 
 @pytest.fixture(scope="module")
 def greedy(tiny_checkpoints: dict[str, str]) -> Iterator[Any]:
-    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=512,
-                                     enable_prefix_caching=False))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    yield lambda ids: engine.tokenizer.decode(engine.generate([ids], params)[0])
-    engine.close()
+    with greedy_completer(tiny_checkpoints["llama"], MAX_TOKENS) as complete_greedily:
+        yield complete_greedily
 
 
 def ingress_index(app: str) -> dict[str, dict[str, dict[str, int]]]:
@@ -79,8 +76,7 @@ def run_rounds(url: str, documents: list[list[int]], greedy: Any) -> list[dict[s
             body = complete(url, ids, MAX_TOKENS)
             assert body["choices"][0]["text"] == greedy(ids), (round_, k)
             if round_:
-                second.append(body["pdserve_timings"][0] | {
-                    "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]})
+                second.append(timings_with_cached(body))
     return second
 
 

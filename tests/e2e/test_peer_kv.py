@@ -8,7 +8,6 @@ counted by reason; every block of every worker comes back, pins included."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,10 +16,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import pytest
 
-from pdserve.cluster.config import engine_config
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.sampling_params import SamplingParams
+from tests.support.kv_serving import greedy_completer, random_documents, timings_with_cached
 from tests.support.metrics import metric_value
 from tests.support.waiting import wait_for
 
@@ -47,18 +43,13 @@ def peer_app(path: str, latency_ms: float) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def documents(tiny_checkpoints: dict[str, str]) -> list[list[int]]:
-    vocab = ModelConfig.from_checkpoint(tiny_checkpoints["llama"]).vocab_size
-    rng = random.Random(11)
-    return [[rng.randrange(3, vocab) for _ in range(DOC_TOKENS)] for _ in range(4)]
+    return random_documents(tiny_checkpoints["llama"], 4, DOC_TOKENS, 11)
 
 
 @pytest.fixture(scope="module")
 def greedy(tiny_checkpoints: dict[str, str]) -> Iterator[Any]:
-    engine = LLMEngine(engine_config(tiny_checkpoints["llama"], num_kv_blocks=512,
-                                     enable_prefix_caching=False))
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    yield lambda ids: engine.tokenizer.decode(engine.generate([ids], params)[0])
-    engine.close()
+    with greedy_completer(tiny_checkpoints["llama"], MAX_TOKENS) as complete_greedily:
+        yield complete_greedily
 
 
 def complete(url: str, ids: list[int], greedy: Any) -> dict[str, Any]:
@@ -69,8 +60,7 @@ def complete(url: str, ids: list[int], greedy: Any) -> dict[str, Any]:
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["text"] == greedy(ids)
-    return body["pdserve_timings"][0] | {
-        "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
+    return timings_with_cached(body)
 
 
 def ingress_index(app: str) -> dict[str, dict[str, int]]:

@@ -1,14 +1,21 @@
-"""Serving apps with KV tiers in tests: a host tier sized in blocks, a completion with the
-server's timings, and whether every tier of every role is back to baseline."""
+"""Serving apps with KV tiers in tests: a host tier sized in blocks, random documents and the
+one-engine greedy text of each, a completion with the server's timings, and whether every
+tier of every role is back to baseline."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from pdserve.cluster.config import engine_config
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv.cache import GIB, kv_bytes_per_token
 from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tests.support.ray_serve import ServedApps
@@ -35,3 +42,29 @@ def settled(served: ServedApps, app: str) -> bool:
                and s["tiers"]["num_host_busy_blocks"] == 0
                and s["tiers"]["num_store_pinned_blocks"] == 0
                for s in served.kv_stats(app).values())
+
+
+def random_documents(checkpoint: str, count: int, num_tokens: int,
+                     seed: int) -> list[list[int]]:
+    """``count`` documents of ``num_tokens`` random ids (no special ones), reproducible."""
+    vocab = ModelConfig.from_checkpoint(checkpoint).vocab_size
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(num_tokens)] for _ in range(count)]
+
+
+@contextmanager
+def greedy_completer(checkpoint: str, max_tokens: int) -> Iterator[Callable[[list[int]], str]]:
+    """One engine without a prefix cache: the greedy text of ``max_tokens`` for a prompt."""
+    engine = LLMEngine(engine_config(checkpoint, num_kv_blocks=512,
+                                     enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    try:
+        yield lambda ids: engine.tokenizer.decode(engine.generate([ids], params)[0])
+    finally:
+        engine.close()
+
+
+def timings_with_cached(body: dict[str, Any]) -> dict[str, Any]:
+    """A completion's first pdserve timings, with the prompt tokens it found cached."""
+    return body["pdserve_timings"][0] | {
+        "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
