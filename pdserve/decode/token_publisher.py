@@ -14,15 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.engine_outputs import RequestOutput
-from pdserve.planes.token_wire import (
-    Entry,
-    FrameWriter,
-    TokenPlaneAuthError,
-    TokenPlaneError,
-    TokenSink,
-    decode_handshake,
-    encode_logprobs,
-)
+from pdserve.planes.link import FrameWriter, PlaneAuthError, PlaneError
+from pdserve.planes.token_wire import TokenEntry, TokenSink, decode_handshake, encode_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +48,7 @@ class Route:
         self.requests: dict[str, _Stream] = {}
         self.error: BaseException | None = None
 
-    def send(self, entries: list[Entry]) -> None:
+    def send(self, entries: list[TokenEntry]) -> None:
         """Queue one frame. The transport buffers what the ingress has not read yet; past
         ``max_buffered_bytes`` the ingress counts as stuck and its streams stop, so a lagging
         ingress never holds the engine or other ingresses."""
@@ -136,19 +129,19 @@ class TokenPublisher:
 
     def publish(self, outputs: Sequence[RequestOutput]) -> None:
         """One step's outputs: one frame per ingress that has any of them."""
-        by_route: dict[Route, list[Entry]] = {}
+        by_route: dict[Route, list[TokenEntry]] = {}
         finished: list[_Stream] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            by_route.setdefault(stream.route, []).append([
+            by_route.setdefault(stream.route, []).append(TokenEntry(
                 out.request_id, out.new_token_ids, out.new_text,
                 (out.finish_reason or "stop") if out.finished else None,
                 out.num_output_tokens, out.num_cached_tokens if stream.report_cached else 0,
                 encode_logprobs(out.logprobs),
                 out.kv_reuse.to_wire() if stream.report_cached and out.kv_reuse else None,
-                out.prev_token_id])
+                out.prev_token_id))
             if out.finished:
                 finished.append(stream)
         if not by_route:
@@ -200,14 +193,14 @@ class TokenPublisher:
             async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 reader, writer = await asyncio.open_connection(sink.host, sink.port)
         except (OSError, TimeoutError) as exc:
-            raise TokenPlaneError(f"cannot reach the ingress's token plane at {sink.host}:"
-                                  f"{sink.port}: {exc}") from exc
+            raise PlaneError(f"cannot reach the ingress's token plane at {sink.host}:"
+                             f"{sink.port}: {exc}") from exc
         try:
             key = await decode_handshake(reader, writer, self._token)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
             writer.transport.abort()
-            raise TokenPlaneAuthError(f"the token plane at {sink.host}:{sink.port} refused "
-                                      f"this replica's proof or closed: {exc!r}") from exc
+            raise PlaneAuthError(f"the token plane at {sink.host}:{sink.port} refused "
+                                 f"this replica's proof or closed: {exc!r}") from exc
         except BaseException:
             writer.transport.abort()
             raise

@@ -15,11 +15,12 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv.events import KVEvent, KVEventLog
 from pdserve.engine.threads import name_native_thread
 from pdserve.planes.kv_event_wire import (
-    FrameWriter,
-    KVEventPlaneError,
     WorkerIdentity,
+    events_message,
+    snapshot_message,
     worker_handshake,
 )
+from pdserve.planes.link import FrameWriter, PlaneError
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class _Subscriber:
             events, self._pending, self._scheduled = self._pending, [], False
         if not events or self.writer.is_closing():
             return
-        self.writer.write(self.frames.events(events))
+        self.writer.write(self.frames.frame(events_message(events)))
         if self.writer.transport.get_write_buffer_size() > MAX_UNREAD_BYTES:
             logger.warning("a KV event subscriber fell %d bytes behind; dropped (it "
                            "resyncs)", MAX_UNREAD_BYTES)
@@ -114,7 +115,7 @@ class KVEventServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             key = await worker_handshake(reader, writer, self._token)
-        except (KVEventPlaneError, asyncio.IncompleteReadError, TimeoutError,
+        except (PlaneError, asyncio.IncompleteReadError, TimeoutError,
                 ConnectionError) as exc:
             self.num_refused += 1
             logger.warning("KV event plane refused %s: %s", writer.get_extra_info("peername"),
@@ -128,7 +129,7 @@ class KVEventServer:
         # between them, and the snapshot frame leaves before any event frame.
         snapshot = self.log.snapshot_and_subscribe(subscriber.on_event)
         try:
-            writer.write(frames.snapshot(self.identity, snapshot))
+            writer.write(frames.frame(snapshot_message(self.identity, snapshot)))
             await reader.read()  # subscribers send nothing more: wait for their EOF
         except ConnectionError:
             pass

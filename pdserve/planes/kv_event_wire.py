@@ -13,13 +13,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from pdserve import auth
 from pdserve.engine.kv.events import EventKind, KVEvent, KVSnapshot, Tier
 from pdserve.planes.link import (
-    MacFramer,
-    MacFrameReader,
+    PlaneError,
     PlaneProtocol,
     connector_handshake,
     listener_handshake,
@@ -28,16 +25,10 @@ from pdserve.planes.link import (
 _KINDS = {EventKind.STORED: 0, EventKind.REMOVED: 1}
 _KIND_OF = {v: k for k, v in _KINDS.items()}
 
-
-class KVEventPlaneError(Exception):
-    """A peer that could not prove itself, or a broken frame."""
-
-
 EVENT_PLANE = PlaneProtocol(
     name="KV event plane", magic=b"PDKE", version=1,
     purpose=auth.Purpose(b"pdserve-kvevents-proof-v1", b"pdserve-kvevents-session-v1"),
-    listener="worker", connector="subscriber",
-    auth_error=KVEventPlaneError, frame_error=KVEventPlaneError)
+    listener="worker", connector="subscriber")
 
 
 @dataclass(frozen=True)
@@ -63,35 +54,23 @@ class EventBatch:
     events: list[tuple[EventKind, Tier, bytes]]
 
 
-class FrameWriter:
-    def __init__(self, key: bytes) -> None:
-        self._framer = MacFramer(key)
-
-    def _frame(self, body: list[Any]) -> bytes:
-        return self._framer.frame(msgpack.packb(body, use_bin_type=True))
-
-    def snapshot(self, identity: WorkerIdentity, snapshot: KVSnapshot) -> bytes:
-        blocks = {tier.value: hashes for tier, hashes in snapshot.blocks.items()}
-        return self._frame(["snapshot", identity.instance, identity.layout_fingerprint,
-                            identity.hash_salt, identity.block_size, snapshot.seq, blocks])
-
-    def events(self, events: list[KVEvent]) -> bytes:
-        return self._frame(["events", events[0].seq,
-                            [[_KINDS[e.kind], e.tier.value, e.block_hash] for e in events]])
+def snapshot_message(identity: WorkerIdentity, snapshot: KVSnapshot) -> list[Any]:
+    blocks = {tier.value: hashes for tier, hashes in snapshot.blocks.items()}
+    return ["snapshot", identity.instance, identity.layout_fingerprint, identity.hash_salt,
+            identity.block_size, snapshot.seq, blocks]
 
 
-class FrameReader:
-    """Refuses frames whose MAC, order or shape is wrong."""
+def events_message(events: list[KVEvent]) -> list[Any]:
+    return ["events", events[0].seq,
+            [[_KINDS[e.kind], e.tier.value, e.block_hash] for e in events]]
 
-    def __init__(self, key: bytes) -> None:
-        self._frames = MacFrameReader(key, EVENT_PLANE)
 
-    async def read(self, reader: asyncio.StreamReader) -> Snapshot | EventBatch:
-        payload = await self._frames.read(reader)
-        try:
-            return _parse(msgpack.unpackb(payload, raw=False))
-        except (ValueError, TypeError, KeyError, IndexError) as exc:
-            raise KVEventPlaneError(f"frame does not parse: {exc}") from exc
+def parse_message(message: Any) -> Snapshot | EventBatch:
+    """A frame's message as what it says; `PlaneError` when its shape is wrong."""
+    try:
+        return _parse(message)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        raise PlaneError(f"KV event plane frame does not parse: {exc}") from exc
 
 
 def _parse(body: Any) -> Snapshot | EventBatch:

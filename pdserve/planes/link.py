@@ -4,7 +4,8 @@ challenge-response handshake on the cluster's token, then numbered frames MAC'd 
 The listening side sends MAGIC, version and a nonce; the connecting side answers its own nonce
 and a proof over both; the listener checks it and answers its own proof, so each side knows the
 other holds the token, which never crosses the wire. A frame is its payload's length and
-sequence number, a MAC over both and the payload, then the payload (each plane encodes its own).
+sequence number, a MAC over both and the payload, then the payload: one msgpack message
+(each plane's wire module names its messages' fields and checks their shape).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ import hashlib
 import hmac
 import struct
 from dataclasses import dataclass
+from typing import Any
+
+import msgpack
 
 from pdserve import auth
 
@@ -25,9 +29,19 @@ HANDSHAKE_TIMEOUT_S = 10.0
 _PROOF_BYTES = 32
 
 
+class PlaneError(Exception):
+    """A TCP plane failed: a frame too long, out of order or not a message of the plane, or
+    a peer that cannot be reached."""
+
+
+class PlaneAuthError(PlaneError):
+    """The peer does not hold the cluster's token (or speaks another protocol or version),
+    or a frame's MAC does not verify."""
+
+
 @dataclass(frozen=True)
 class PlaneProtocol:
-    """One plane's identity on the wire, the names its errors use and the errors it raises."""
+    """One plane's identity on the wire and the names its errors use."""
 
     name: str  # "token plane"
     magic: bytes
@@ -35,8 +49,6 @@ class PlaneProtocol:
     purpose: auth.Purpose
     listener: str  # who listens, as errors name it
     connector: str
-    auth_error: type[Exception]  # a peer without the token, or a frame whose MAC is wrong
-    frame_error: type[Exception]  # a frame too long or out of order
 
 
 async def listener_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -50,8 +62,8 @@ async def listener_handshake(reader: asyncio.StreamReader, writer: asyncio.Strea
     peer_nonce, peer_proof = answer[:auth.NONCE_BYTES], answer[auth.NONCE_BYTES:]
     if not auth.check_proof(token, _CONNECTOR_PROOF, peer_nonce, nonce, peer_proof,
                             proto.purpose):
-        raise proto.auth_error(f"the {proto.connector}'s proof does not verify: it lacks the "
-                               "cluster token")
+        raise PlaneAuthError(f"the {proto.connector}'s proof does not verify: it lacks the "
+                             "cluster token")
     writer.write(auth.proof(token, _LISTENER_PROOF, peer_nonce, nonce, proto.purpose))
     await writer.drain()
     return auth.session_key(token, _KEY, peer_nonce, nonce, proto.purpose)
@@ -65,7 +77,7 @@ async def connector_handshake(reader: asyncio.StreamReader, writer: asyncio.Stre
     async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
         hello = await reader.readexactly(len(magic) + 1 + auth.NONCE_BYTES)
         if hello[:len(magic)] != magic or hello[len(magic)] != proto.version:
-            raise proto.auth_error(f"the peer is not a pdserve {proto.name} of this version")
+            raise PlaneAuthError(f"the peer is not a pdserve {proto.name} of this version")
         peer_nonce = hello[len(magic) + 1:]
         nonce = auth.new_nonce()
         writer.write(nonce + auth.proof(token, _CONNECTOR_PROOF, nonce, peer_nonce,
@@ -73,8 +85,8 @@ async def connector_handshake(reader: asyncio.StreamReader, writer: asyncio.Stre
         peer_proof = await reader.readexactly(_PROOF_BYTES)
     if not auth.check_proof(token, _LISTENER_PROOF, nonce, peer_nonce, peer_proof,
                             proto.purpose):
-        raise proto.auth_error(f"the {proto.listener}'s proof does not verify: it lacks the "
-                               "cluster token")
+        raise PlaneAuthError(f"the {proto.listener}'s proof does not verify: it lacks the "
+                             "cluster token")
     return auth.session_key(token, _KEY, nonce, peer_nonce, proto.purpose)
 
 
@@ -84,36 +96,43 @@ def _mac(key: bytes, header: bytes, payload: bytes) -> bytes:
     return digest.digest()[:auth.MAC_BYTES]
 
 
-class MacFramer:
-    """Frames one connection's payloads: sequence numbers and MACs."""
+class FrameWriter:
+    """Frames one connection's messages: msgpack, a sequence number and a MAC."""
 
     def __init__(self, key: bytes) -> None:
         self._key, self._seq = key, 0
+        self._packer = msgpack.Packer(use_bin_type=True)
 
-    def frame(self, payload: bytes) -> bytes:
+    def frame(self, message: Any) -> bytes:
+        payload = self._packer.pack(message)
         self._seq += 1
         header = _HEADER.pack(len(payload), self._seq)
         return header + _mac(self._key, header, payload) + payload
 
 
-class MacFrameReader:
-    """Reads one connection's payloads, refusing any whose length, MAC or order is wrong."""
+class FrameReader:
+    """Reads one connection's messages, refusing any whose length, MAC, order or encoding
+    is wrong (the plane's wire module then checks the message's shape)."""
 
     def __init__(self, key: bytes, proto: PlaneProtocol) -> None:
         self._key, self._proto, self._seq = key, proto, 0
 
-    async def read(self, reader: asyncio.StreamReader) -> bytes:
-        """The next frame's payload (IncompleteReadError when the peer closed)."""
+    async def read(self, reader: asyncio.StreamReader) -> Any:
+        """The next frame's message (IncompleteReadError when the peer closed)."""
         head = await reader.readexactly(HEADER_BYTES)
         header, tag = head[:_HEADER.size], head[_HEADER.size:]
         length, seq = _HEADER.unpack(header)
         if length > MAX_FRAME_BYTES:
-            raise self._proto.frame_error(f"frame of {length} bytes is over {MAX_FRAME_BYTES}")
+            raise PlaneError(f"{self._proto.name} frame of {length} bytes is over "
+                             f"{MAX_FRAME_BYTES}")
         payload = await reader.readexactly(length)
         if not hmac.compare_digest(_mac(self._key, header, payload), tag):
-            raise self._proto.auth_error("frame MAC does not verify")
+            raise PlaneAuthError(f"{self._proto.name} frame MAC does not verify")
         if seq != self._seq + 1:
-            raise self._proto.frame_error(f"frame {seq} out of order (expected "
-                                          f"{self._seq + 1})")
+            raise PlaneError(f"{self._proto.name} frame {seq} out of order (expected "
+                             f"{self._seq + 1})")
         self._seq = seq
-        return payload
+        try:
+            return msgpack.unpackb(payload, raw=False, use_list=True)
+        except Exception as exc:  # noqa: BLE001 - any decoding failure is a broken frame
+            raise PlaneError(f"{self._proto.name} frame does not decode: {exc}") from exc

@@ -9,34 +9,21 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
-
-import msgpack
+from typing import Any, NamedTuple
 
 from pdserve import auth
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.planes.link import (
-    MacFramer,
-    MacFrameReader,
+    PlaneError,
     PlaneProtocol,
     connector_handshake,
     listener_handshake,
 )
 
-
-class TokenPlaneError(Exception):
-    """The token plane failed: a peer that could not prove itself, or a broken frame."""
-
-
-class TokenPlaneAuthError(TokenPlaneError):
-    """The peer does not hold the cluster's token (or speaks another protocol)."""
-
-
 TOKEN_PLANE = PlaneProtocol(
     name="token plane", magic=b"PDTP", version=1,
     purpose=auth.Purpose(b"pdserve-tokens-proof-v1", b"pdserve-tokens-session-v1"),
-    listener="ingress", connector="decode replica",
-    auth_error=TokenPlaneAuthError, frame_error=TokenPlaneError)
+    listener="ingress", connector="decode replica")
 
 
 @dataclass(frozen=True)
@@ -49,18 +36,25 @@ class TokenSink:
     plane_id: str
 
 
-# One request's new output of one engine step, as it travels:
-# [request_id, token_ids, text, finish_reason | None, num_output_tokens, num_cached_tokens,
-#  logprobs | None, kv_reuse | None, prev_token_id], logprobs as [[token_id, logprob,
-#  [[id, logprob], ...]], ...], kv_reuse as `KVReuse.to_wire` (a locally prefilled request's
-#  first entry only), prev_token_id the output token the entry's tokens continue (-1: none).
-# num_output_tokens and prev_token_id let the ingress check that an entry continues exactly
-# the tokens its client has (router/token_plane.py `TokenSubscription`).
-Entry = list[Any]
-ENTRY_FIELDS = 9
+class TokenEntry(NamedTuple):
+    """One request's new output of one engine step; a frame is a list of them, each an
+    array on the wire in this order. ``num_output_tokens`` and ``prev_token_id`` let the
+    ingress check that an entry continues exactly the tokens its client has
+    (router/token_plane.py `TokenSubscription`)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_output_tokens: int  # after this entry
+    num_cached_tokens: int
+    logprobs: list[Any] | None  # `encode_logprobs`
+    kv_reuse: list[Any] | None  # `KVReuse.to_wire`: a locally prefilled request's first entry
+    prev_token_id: int  # the output token this entry's tokens continue (-1: none)
 
 
 def encode_logprobs(logprobs: list[TokenLogprobs]) -> list[Any] | None:
+    """[[token_id, logprob, [[id, logprob], ...]], ...], or None for none."""
     if not logprobs:
         return None
     return [[lp.token_id, lp.logprob, [list(t) for t in lp.top]] for lp in logprobs]
@@ -73,38 +67,16 @@ def decode_logprobs(raw: list[Any] | None) -> list[TokenLogprobs]:
             for t, lp, top in raw]
 
 
-class FrameWriter:
-    """Frames one connection's entries: msgpack, then `MacFramer`."""
-
-    def __init__(self, key: bytes) -> None:
-        self._framer = MacFramer(key)
-        self._packer = msgpack.Packer(use_bin_type=True)
-
-    def frame(self, entries: list[Entry]) -> bytes:
-        return self._framer.frame(self._packer.pack(entries))
+_NUM_FIELDS = len(TokenEntry._fields)
 
 
-class FrameReader:
-    """Reads one connection's frames, refusing any whose MAC, order or shape is wrong."""
-
-    def __init__(self, key: bytes) -> None:
-        self._frames = MacFrameReader(key, TOKEN_PLANE)
-
-    async def read(self, reader: asyncio.StreamReader) -> list[Entry]:
-        """The next frame's entries (IncompleteReadError when the peer closed)."""
-        return parse_entries(await self._frames.read(reader))
-
-
-def parse_entries(payload: bytes) -> list[Entry]:
-    try:
-        entries = msgpack.unpackb(payload, raw=False, use_list=True)
-    except Exception as exc:  # noqa: BLE001 - any decoding failure is a broken frame
-        raise TokenPlaneError(f"frame does not decode: {exc}") from exc
-    if not isinstance(entries, list) or not all(
-            isinstance(e, list) and len(e) == ENTRY_FIELDS and isinstance(e[0], str)
-            for e in entries):
-        raise TokenPlaneError("frame is not a list of token entries")
-    return entries
+def parse_entries(message: Any) -> list[TokenEntry]:
+    """A frame's message as entries; `PlaneError` unless it is a list of them."""
+    if not isinstance(message, list) or not all(
+            isinstance(e, list) and len(e) == _NUM_FIELDS and isinstance(e[0], str)
+            for e in message):
+        raise PlaneError("token plane frame is not a list of token entries")
+    return [TokenEntry._make(e) for e in message]
 
 
 async def ingress_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,

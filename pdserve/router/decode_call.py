@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pdserve.decode.api import DecodeEvent, DecodeRequest, HandoffFailed, KVArrived
-from pdserve.planes.token_wire import TokenPlaneError
+from pdserve.planes.link import PlaneError
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.timings import RequestTrace
 from pdserve.router.token_plane import TokenPlane
@@ -98,5 +98,5 @@ class DecodeCall:
             return
         # The call ended with its request: the last tokens are on their way over the plane,
         # which reports its own failures; this only bounds a request that lost them anyway.
-        asyncio.get_running_loop().call_later(TRAIL_S, self.sub.fail, TokenPlaneError(
+        asyncio.get_running_loop().call_later(TRAIL_S, self.sub.fail, PlaneError(
             "the decode worker ended the request without its last tokens"))

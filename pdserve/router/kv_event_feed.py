@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 from pdserve.engine.kv.block_hash import hash_full_blocks
 from pdserve.planes.kv_event_wire import (
+    EVENT_PLANE,
     EventBatch,
-    FrameReader,
-    KVEventPlaneError,
     Snapshot,
     WorkerIdentity,
+    parse_message,
     subscriber_handshake,
 )
+from pdserve.planes.link import FrameReader, PlaneError
 from pdserve.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class KVEventFeed:
         while True:
             try:
                 await self._read(replica_id, host, int(port))
-            except (OSError, asyncio.IncompleteReadError, KVEventPlaneError,
+            except (OSError, asyncio.IncompleteReadError, PlaneError,
                     TimeoutError) as exc:
                 logger.debug("KV events of %s stopped: %s", replica_id, exc)
             self._drop(replica_id)
@@ -104,16 +105,17 @@ class KVEventFeed:
     async def _read(self, replica_id: str, host: str, port: int) -> None:
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            frames = FrameReader(await subscriber_handshake(reader, writer, self._token))
+            key = await subscriber_handshake(reader, writer, self._token)
+            frames = FrameReader(key, EVENT_PLANE)
             self.num_connects += 1
             while True:
-                frame = await frames.read(reader)
+                frame = parse_message(await frames.read(reader))
                 if isinstance(frame, Snapshot):
                     self.identities[replica_id] = frame.identity
                     self.index.reset(replica_id, frame.identity.layout_fingerprint,
                                      frame.snapshot.seq, frame.snapshot.blocks)
                 elif (isinstance(frame, EventBatch)
                       and not self.index.apply(replica_id, frame.first_seq, frame.events)):
-                    raise KVEventPlaneError(f"event gap from {replica_id}: resync")
+                    raise PlaneError(f"event gap from {replica_id}: resync")
         finally:
             writer.transport.abort()

@@ -16,13 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.engine.tiers.cost import KVReuse
+from pdserve.planes.link import FrameReader, PlaneError
 from pdserve.planes.token_wire import (
-    Entry,
-    FrameReader,
-    TokenPlaneError,
+    TOKEN_PLANE,
+    TokenEntry,
     TokenSink,
     decode_logprobs,
     ingress_handshake,
+    parse_entries,
 )
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.errors import ServiceUnavailableError
@@ -91,7 +92,7 @@ class TokenSubscription:
         self.num_tokens: int | None = None
         self.last_token_id = -1
         self.on_inconsistent = on_inconsistent
-        self._entries: list[Entry] = []
+        self._entries: list[TokenEntry] = []
         self._waiter: asyncio.Future[None] | None = None
         self._error: BaseException | None = None
 
@@ -100,9 +101,9 @@ class TokenSubscription:
         self.num_tokens = len(token_ids)
         self.last_token_id = token_ids[-1] if token_ids else -1
 
-    def push(self, entry: Entry) -> None:
+    def push(self, entry: TokenEntry) -> None:
         self._entries.append(entry)
-        if entry[3] is not None:
+        if entry.finish_reason is not None:
             self.finished = True
         if self._waiter is not None and (self.every_delta or self.finished):
             self._wake()
@@ -142,13 +143,13 @@ class TokenSubscription:
         self._check(entries)
         return merge_entries(entries)
 
-    def _check(self, entries: list[Entry]) -> None:
+    def _check(self, entries: list[TokenEntry]) -> None:
         """Each entry continues the tokens before it: its count starts where they end and
         it names their last token; anything else never becomes text."""
         if self.num_tokens is None:
             raise RuntimeError("continue_from() must come before the first entry is read")
         for entry in entries:
-            tokens, num_after, prev = entry[1], entry[4], entry[8]
+            tokens, num_after, prev = entry.token_ids, entry.num_output_tokens, entry.prev_token_id
             start = num_after - len(tokens)
             if start != self.num_tokens or (tokens and start > 0 and prev != self.last_token_id):
                 detail = (f"an entry of tokens {start}..{num_after} after token {prev} where "
@@ -168,25 +169,27 @@ class TokenSubscription:
 _ENTRY_BYTES, _TOKEN_BYTES, _LOGPROB_BYTES = 32, 8, 16
 
 
-def entry_bytes(entry: Entry) -> int:
-    size = _ENTRY_BYTES + len(entry[2].encode()) + _TOKEN_BYTES * len(entry[1])
-    for _, _, top in entry[6] or ():
+def entry_bytes(entry: TokenEntry) -> int:
+    size = _ENTRY_BYTES + len(entry.text.encode()) + _TOKEN_BYTES * len(entry.token_ids)
+    for _, _, top in entry.logprobs or ():
         size += _LOGPROB_BYTES * (1 + len(top))
     return size
 
 
-def merge_entries(entries: list[Entry]) -> GenerationDelta:
+def merge_entries(entries: list[TokenEntry]) -> GenerationDelta:
     """Consecutive entries of one request as one delta: tokens, text and logprobs in order,
     the last one's finish."""
     last = entries[-1]
-    reuse = next((KVReuse.from_wire(e[7]) for e in entries if e[7] is not None), None)
+    reuse = next((KVReuse.from_wire(e.kv_reuse) for e in entries if e.kv_reuse is not None),
+                 None)
+    finished = last.finish_reason is not None
     if len(entries) == 1:
-        return GenerationDelta(last[2], last[1], last[3] is not None, last[3], last[5],
-                               decode_logprobs(last[6]), reuse)
+        return GenerationDelta(last.text, last.token_ids, finished, last.finish_reason,
+                               last.num_cached_tokens, decode_logprobs(last.logprobs), reuse)
     return GenerationDelta(
-        "".join(e[2] for e in entries), [t for e in entries for t in e[1]],
-        last[3] is not None, last[3], max(e[5] for e in entries),
-        [lp for e in entries for lp in decode_logprobs(e[6])], reuse)
+        "".join(e.text for e in entries), [t for e in entries for t in e.token_ids],
+        finished, last.finish_reason, max(e.num_cached_tokens for e in entries),
+        [lp for e in entries for lp in decode_logprobs(e.logprobs)], reuse)
 
 
 class TokenPlane:
@@ -258,7 +261,7 @@ class TokenPlane:
         try:
             try:
                 key = await ingress_handshake(reader, writer, self._token)
-            except (TokenPlaneError, asyncio.IncompleteReadError, TimeoutError,
+            except (PlaneError, asyncio.IncompleteReadError, TimeoutError,
                     ConnectionError) as exc:
                 self.stats.num_refused_connections += 1
                 logger.warning("token plane refused a connection from %s: %s",
@@ -268,7 +271,7 @@ class TokenPlane:
             connection = next(self._ids)
             self._bound[connection] = set()
             try:
-                await self._read(connection, reader, FrameReader(key))
+                await self._read(connection, reader, FrameReader(key, TOKEN_PLANE))
             finally:
                 cut = [self._subs[rid] for rid in self._bound.pop(connection)
                        if rid in self._subs and not self._subs[rid].finished]
@@ -286,20 +289,20 @@ class TokenPlane:
                     frames: FrameReader) -> None:
         try:
             while True:
-                self._dispatch(connection, await frames.read(reader))
+                self._dispatch(connection, parse_entries(await frames.read(reader)))
         except (asyncio.IncompleteReadError, ConnectionError):
             return  # the decode replica closed or died
-        except TokenPlaneError as exc:
+        except PlaneError as exc:
             self.stats.num_broken_connections += 1
             logger.warning("token plane dropped a connection: %s", exc)
 
-    def _dispatch(self, connection: int, entries: list[Entry]) -> None:
+    def _dispatch(self, connection: int, entries: list[TokenEntry]) -> None:
         stats = self.stats
         stats.num_frames += 1
         stats.num_entries += len(entries)
         subs, bound = self._subs, self._bound[connection]
         for entry in entries:
-            sub = subs.get(entry[0])
+            sub = subs.get(entry.request_id)
             if sub is None:
                 stats.num_unknown_entries += 1
                 continue

@@ -9,31 +9,34 @@ import msgpack
 import pytest
 
 from pdserve.engine.logprobs import TokenLogprobs
-from pdserve.planes.link import HEADER_BYTES
+from pdserve.planes.link import HEADER_BYTES, FrameReader, FrameWriter, PlaneAuthError, PlaneError
 from pdserve.planes.token_wire import (
-    FrameReader,
-    FrameWriter,
-    TokenPlaneAuthError,
-    TokenPlaneError,
+    TOKEN_PLANE,
+    TokenEntry,
     decode_handshake,
     decode_logprobs,
     encode_logprobs,
     ingress_handshake,
+    parse_entries,
 )
 
 KEY = bytes(range(32))
-ENTRY = ["req-1", [5, 6], "héllo", None, 2, 0, None, None, -1]
+ENTRY = TokenEntry("req-1", [5, 6], "héllo", None, 2, 0, None, None, -1)
 
 
-def read_all(data: bytes, reader: FrameReader) -> list[list]:
-    async def run() -> list[list]:
+def reader(key: bytes) -> FrameReader:
+    return FrameReader(key, TOKEN_PLANE)
+
+
+def read_all(data: bytes, reader: FrameReader) -> list[list[TokenEntry]]:
+    async def run() -> list[list[TokenEntry]]:
         stream = asyncio.StreamReader()
         stream.feed_data(data)
         stream.feed_eof()
         frames = []
         try:
             while True:
-                frames.append(await reader.read(stream))
+                frames.append(parse_entries(await reader.read(stream)))
         except asyncio.IncompleteReadError:
             return frames
 
@@ -42,9 +45,11 @@ def read_all(data: bytes, reader: FrameReader) -> list[list]:
 
 def test_frames_round_trip_in_order() -> None:
     writer = FrameWriter(KEY)
-    last = ["req-2", [7], "!", "length", 3, 16, None, [16, 0, None, None, None], 6]
+    last = TokenEntry("req-2", [7], "!", "length", 3, 16, None, [16, 0, None, None, None], 6)
     data = writer.frame([ENTRY]) + writer.frame([ENTRY, last])
-    assert read_all(data, FrameReader(KEY)) == [[ENTRY], [ENTRY, last]]
+    frames = read_all(data, reader(KEY))
+    assert frames == [[ENTRY], [ENTRY, last]]
+    assert frames[1][1].finish_reason == "length" and frames[1][1].prev_token_id == 6
 
 
 @pytest.mark.parametrize("tamper", ["payload", "mac", "key"])
@@ -57,25 +62,32 @@ def test_a_frame_whose_mac_does_not_verify_is_refused(tamper: str) -> None:
         frame[HEADER_BYTES - 1] ^= 1
     else:
         key = bytes(32)
-    with pytest.raises(TokenPlaneAuthError, match="MAC"):
-        read_all(bytes(frame), FrameReader(key))
+    with pytest.raises(PlaneAuthError, match="MAC"):
+        read_all(bytes(frame), reader(key))
 
 
 def test_a_replayed_or_skipped_frame_is_refused() -> None:
     writer = FrameWriter(KEY)
     first, second = writer.frame([ENTRY]), writer.frame([ENTRY])
-    with pytest.raises(TokenPlaneError, match="out of order"):
-        read_all(first + first, FrameReader(KEY))
-    with pytest.raises(TokenPlaneError, match="out of order"):
-        read_all(second, FrameReader(KEY))
+    with pytest.raises(PlaneError, match="out of order"):
+        read_all(first + first, reader(KEY))
+    with pytest.raises(PlaneError, match="out of order"):
+        read_all(second, reader(KEY))
 
 
 def test_a_well_signed_frame_that_is_not_entries_is_refused() -> None:
     for content in ({"a": 1}, [[1, 2, 3]], [["r", [], "", None, 0, 0]]):
         writer = FrameWriter(KEY)
         writer._packer = msgpack.Packer()  # same key and framing, wrong content
-        with pytest.raises(TokenPlaneError, match="not a list of token entries"):
-            read_all(writer.frame(content), FrameReader(KEY))  # type: ignore[arg-type]
+        with pytest.raises(PlaneError, match="not a list of token entries"):
+            read_all(writer.frame(content), reader(KEY))
+
+
+def test_a_well_signed_frame_that_does_not_decode_is_refused() -> None:
+    writer = FrameWriter(KEY)
+    writer._packer = type("Raw", (), {"pack": staticmethod(lambda _: b"\xc1")})()  # type: ignore[assignment]
+    with pytest.raises(PlaneError, match="does not decode"):
+        read_all(writer.frame(None), reader(KEY))
 
 
 def test_logprobs_survive_the_wire() -> None:
@@ -121,5 +133,5 @@ def test_the_handshake_gives_both_sides_one_key() -> None:
 
 def test_a_peer_without_the_token_is_refused_on_both_sides() -> None:
     ingress_side, decode_side = handshake("cluster-token-0123456789", "another-token-987654321")
-    assert isinstance(ingress_side, TokenPlaneAuthError)
+    assert isinstance(ingress_side, PlaneAuthError)
     assert not isinstance(decode_side, bytes)  # the ingress closed instead of proving itself

@@ -13,7 +13,8 @@ import pytest
 
 from pdserve.decode.token_publisher import IngressGoneError, TokenPublisher
 from pdserve.engine.engine_outputs import RequestOutput
-from pdserve.planes.token_wire import FrameWriter, decode_handshake
+from pdserve.planes.link import FrameWriter
+from pdserve.planes.token_wire import decode_handshake
 from pdserve.router.token_plane import (
     DecodeGoneError,
     InconsistentOutputError,
