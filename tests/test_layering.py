@@ -194,6 +194,16 @@ INGRESS_ENGINE_MODULES = ("errors", "sampling_params", "tokenizer", "control_tok
                           "grammar_spec")
 
 
+def test_the_design_documents_every_code_folder() -> None:
+    """docs/design.md's folder table has a row for every folder of modules in the package."""
+    table = (PACKAGE.parent / "docs" / "design.md").read_text().split("## Folders", 1)[1]
+    rows = {line.split("|")[1].strip().split()[0].strip("`") for line in table.splitlines()
+            if line.startswith("| `")}
+    folders = {f"{path.relative_to(PACKAGE).as_posix()}/" for path in PACKAGE.rglob("*")
+               if path.is_dir() and any(path.glob("*.py"))}
+    assert folders <= rows, folders - rows
+
+
 def test_every_folder_has_a_layer() -> None:
     folders = {_layer_of(m) for m in _graph()} - {"pdserve"}
     assert folders <= set(LAYERS) | LEAVES, folders - set(LAYERS) - LEAVES
