@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.planes.link import FrameWriter, PlaneAuthError, PlaneError
-from pdserve.planes.token_wire import TokenEntry, TokenSink, decode_handshake, encode_logprobs
+from pdserve.planes.token_wire import TOKEN_PLANE, TokenEntry, TokenSink, encode_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class TokenPublisher:
             raise PlaneError(f"cannot reach the ingress's token plane at {sink.host}:"
                              f"{sink.port}: {exc}") from exc
         try:
-            key = await decode_handshake(reader, writer, self._token)
+            key = await TOKEN_PLANE.connect(reader, writer, self._token)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
             writer.transport.abort()
             raise PlaneAuthError(f"the token plane at {sink.host}:{sink.port} refused "

@@ -15,10 +15,10 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv.events import KVEvent, KVEventLog
 from pdserve.engine.threads import name_native_thread
 from pdserve.planes.kv_event_wire import (
+    EVENT_PLANE,
     WorkerIdentity,
     events_message,
     snapshot_message,
-    worker_handshake,
 )
 from pdserve.planes.link import FrameWriter, PlaneError
 
@@ -114,7 +114,7 @@ class KVEventServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            key = await worker_handshake(reader, writer, self._token)
+            key = await EVENT_PLANE.accept(reader, writer, self._token)
         except (PlaneError, asyncio.IncompleteReadError, TimeoutError,
                 ConnectionError) as exc:
             self.num_refused += 1

@@ -9,7 +9,6 @@ tier) and EVENTS frames ([first event number, [[kind, tier, hash], ...]]) after 
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +17,6 @@ from pdserve.engine.kv.events import EventKind, KVEvent, KVSnapshot, Tier
 from pdserve.planes.link import (
     PlaneError,
     PlaneProtocol,
-    connector_handshake,
-    listener_handshake,
 )
 
 _KINDS = {EventKind.STORED: 0, EventKind.REMOVED: 1}
@@ -84,15 +81,3 @@ def _parse(body: Any) -> Snapshot | EventBatch:
         return EventBatch(int(first), [(_KIND_OF[int(k)], Tier(t), bytes(h))
                                        for k, t, h in events])
     raise ValueError(f"unknown frame {body[0]!r}")
-
-
-async def worker_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           token: str) -> bytes:
-    """The worker (listening) side; returns the session key."""
-    return await listener_handshake(reader, writer, token, EVENT_PLANE)
-
-
-async def subscriber_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                               token: str) -> bytes:
-    """The subscribing (connecting) side; returns the session key."""
-    return await connector_handshake(reader, writer, token, EVENT_PLANE)

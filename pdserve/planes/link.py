@@ -50,6 +50,16 @@ class PlaneProtocol:
     listener: str  # who listens, as errors name it
     connector: str
 
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     token: str) -> bytes:
+        """The listening side's handshake (`listener_handshake`); the session key."""
+        return await listener_handshake(reader, writer, token, self)
+
+    async def connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      token: str) -> bytes:
+        """The connecting side's handshake (`connector_handshake`); the session key."""
+        return await connector_handshake(reader, writer, token, self)
+
 
 async def listener_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                              token: str, proto: PlaneProtocol) -> bytes:

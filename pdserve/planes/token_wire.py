@@ -7,7 +7,6 @@ frames are `planes/link.py`'s, under this plane's labels.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -16,8 +15,6 @@ from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.planes.link import (
     PlaneError,
     PlaneProtocol,
-    connector_handshake,
-    listener_handshake,
 )
 
 TOKEN_PLANE = PlaneProtocol(
@@ -77,15 +74,3 @@ def parse_entries(message: Any) -> list[TokenEntry]:
             for e in message):
         raise PlaneError("token plane frame is not a list of token entries")
     return [TokenEntry._make(e) for e in message]
-
-
-async def ingress_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                            token: str) -> bytes:
-    """The ingress (listening) side; returns the session key."""
-    return await listener_handshake(reader, writer, token, TOKEN_PLANE)
-
-
-async def decode_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           token: str) -> bytes:
-    """The decode (connecting) side; returns the session key."""
-    return await connector_handshake(reader, writer, token, TOKEN_PLANE)

@@ -20,7 +20,6 @@ from pdserve.planes.kv_event_wire import (
     Snapshot,
     WorkerIdentity,
     parse_message,
-    subscriber_handshake,
 )
 from pdserve.planes.link import FrameReader, PlaneError
 from pdserve.router.prefix_index import PrefixIndex
@@ -105,7 +104,7 @@ class KVEventFeed:
     async def _read(self, replica_id: str, host: str, port: int) -> None:
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            key = await subscriber_handshake(reader, writer, self._token)
+            key = await EVENT_PLANE.connect(reader, writer, self._token)
             frames = FrameReader(key, EVENT_PLANE)
             self.num_connects += 1
             while True:

@@ -22,7 +22,6 @@ from pdserve.planes.token_wire import (
     TokenEntry,
     TokenSink,
     decode_logprobs,
-    ingress_handshake,
     parse_entries,
 )
 from pdserve.router.delta import GenerationDelta
@@ -260,7 +259,7 @@ class TokenPlane:
         self._writers.add(writer)
         try:
             try:
-                key = await ingress_handshake(reader, writer, self._token)
+                key = await TOKEN_PLANE.accept(reader, writer, self._token)
             except (PlaneError, asyncio.IncompleteReadError, TimeoutError,
                     ConnectionError) as exc:
                 self.stats.num_refused_connections += 1

@@ -16,7 +16,7 @@ import pytest
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.planes.token_wire import decode_handshake
+from pdserve.planes.token_wire import TOKEN_PLANE
 from pdserve.router.sse import split_sse_data
 
 if TYPE_CHECKING:
@@ -145,7 +145,7 @@ def test_the_live_token_plane_refuses_a_peer_without_the_cluster_token(
     async def intrude() -> None:
         reader, writer = await asyncio.open_connection(before["host"], before["port"])
         with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
-            await decode_handshake(reader, writer, "not-the-cluster-token-0123")
+            await TOKEN_PLANE.connect(reader, writer, "not-the-cluster-token-0123")
         writer.close()
 
     asyncio.run(intrude())

@@ -7,13 +7,12 @@ first request to reach the point kills it. `benchmarks/fault_hammer.py` runs man
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import pytest
 
 from pdserve.faults import POINTS
-from tests.support.fault_rounds import faults_app_config, greedy_texts, kill_round
+from tests.support.fault_rounds import deployed_faults_app, greedy_texts, kill_round
 
 if TYPE_CHECKING:
     from tests.support.ray_serve import ServedApps
@@ -24,10 +23,7 @@ APP = "phases"
 NUM_REQUESTS = 4
 
 
-@pytest.fixture(scope="module")
-def phases_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
-    with ray_serve.deploy(APP, faults_app_config(tiny_checkpoints["llama"])) as url:
-        yield url
+phases_app = deployed_faults_app(APP)
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
-from tests.support.fault_rounds import faults_app_config, greedy_texts, long_conv
+from tests.support.fault_rounds import deployed_faults_app, greedy_texts, long_conv
 from tests.support.processes import replica_pids
 from tests.support.waiting import wait_for
 
@@ -29,10 +28,7 @@ APP = "faults"
 MAX_TOKENS = 16
 
 
-@pytest.fixture(scope="module")
-def faults_app(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
-    with ray_serve.deploy(APP, faults_app_config(tiny_checkpoints["llama"])) as url:
-        yield url
+faults_app = deployed_faults_app(APP)
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,8 @@ from pdserve.planes.link import HEADER_BYTES, FrameReader, FrameWriter, PlaneAut
 from pdserve.planes.token_wire import (
     TOKEN_PLANE,
     TokenEntry,
-    decode_handshake,
     decode_logprobs,
     encode_logprobs,
-    ingress_handshake,
     parse_entries,
 )
 
@@ -105,7 +103,7 @@ def handshake(ingress_token: str, decode_token: str) -> tuple[object, object]:
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
-                result["ingress"] = await ingress_handshake(reader, writer, ingress_token)
+                result["ingress"] = await TOKEN_PLANE.accept(reader, writer, ingress_token)
             except Exception as exc:  # noqa: BLE001 - recorded for the assertion
                 result["ingress"] = exc
             writer.close()
@@ -114,7 +112,7 @@ def handshake(ingress_token: str, decode_token: str) -> tuple[object, object]:
         port = server.sockets[0].getsockname()[1]
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
-            decode_side: object = await decode_handshake(reader, writer, decode_token)
+            decode_side: object = await TOKEN_PLANE.connect(reader, writer, decode_token)
         except Exception as exc:  # noqa: BLE001
             decode_side = exc
         writer.close()

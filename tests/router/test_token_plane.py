@@ -14,7 +14,7 @@ import pytest
 from pdserve.decode.token_publisher import IngressGoneError, TokenPublisher
 from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.planes.link import FrameWriter
-from pdserve.planes.token_wire import decode_handshake
+from pdserve.planes.token_wire import TOKEN_PLANE
 from pdserve.router.token_plane import (
     DecodeGoneError,
     InconsistentOutputError,
@@ -172,12 +172,12 @@ def test_an_ingress_that_goes_away_ends_the_requests_streaming_to_it() -> None:
 def test_an_ingress_that_stops_reading_ends_its_requests_not_the_engine() -> None:
     async def test(_plane: TokenPlane, publisher: TokenPublisher) -> None:
         # An ingress that proves itself and then never reads a byte.
-        from pdserve.planes.token_wire import TokenSink, ingress_handshake
+        from pdserve.planes.token_wire import TOKEN_PLANE, TokenSink
 
         stalled: list[asyncio.StreamWriter] = []
 
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await ingress_handshake(reader, writer, TOKEN)
+            await TOKEN_PLANE.accept(reader, writer, TOKEN)
             stalled.append(writer)
 
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
@@ -206,14 +206,14 @@ def test_unauthenticated_and_forged_connections_are_refused() -> None:
         # The wrong token.
         reader, writer = await asyncio.open_connection(sink.host, sink.port)
         with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):
-            await decode_handshake(reader, writer, "not-the-cluster-token-42")
+            await TOKEN_PLANE.connect(reader, writer, "not-the-cluster-token-42")
         writer.close()
         await until(lambda: plane.stats.num_refused_connections == 2, "the second refusal")
         # The right token, then a frame signed with another key: the connection is dropped
         # and the request bound to it ends.
         sub = subscribe(plane, "r", True)
         reader, writer = await asyncio.open_connection(sink.host, sink.port)
-        key = await decode_handshake(reader, writer, TOKEN)
+        key = await TOKEN_PLANE.connect(reader, writer, TOKEN)
         writer.write(FrameWriter(key).frame([["r", [1], "a", None, 1, 0, None, None, -1]]))
         forged = [["r", [666], "evil", None, 2, 0, None, None, 1]]
         writer.write(FrameWriter(bytes(32)).frame(forged))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,6 +37,17 @@ def faults_app_config(model_path: str) -> dict[str, Any]:
     raw = app_config(model_path, "disaggregated")
     raw["handoff"]["timeout_s"] = 8
     return raw
+
+
+def deployed_faults_app(app: str) -> Any:
+    """A module fixture: the faults app (`faults_app_config`) deployed as ``app``; its URL."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fixture(ray_serve: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
+        with ray_serve.deploy(app, faults_app_config(tiny_checkpoints["llama"])) as url:
+            yield url
+    return fixture
 
 
 def greedy_texts(model_path: str, count: int, max_tokens: int = MAX_TOKENS) -> dict[int, str]:
