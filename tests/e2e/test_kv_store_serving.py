@@ -18,12 +18,12 @@ import httpx
 import pytest
 
 from tests.support.kv_serving import (
+    ask_each_twice,
     complete,
     greedy_completer,
     host_gb,
     random_documents,
     settled,
-    timings_with_cached,
 )
 from tests.support.metrics import metric_value
 from tests.support.processes import replica_pids
@@ -114,16 +114,9 @@ def check_repeats_load_from_the_store(served: ServedApps, app_name: str, url: st
                                       greedy: Callable[[list[int]], str], role: str) -> None:
     """Each document twice: every answer one engine's; the first repeat loads its prefix from
     the store on ``role``; the store's hits counted; every tier back to baseline."""
-    repeats = []
-    for round_ in range(2):
-        for k, doc in enumerate(documents):
-            ids = doc + [5 + round_, 6, 7]
-            body = complete(url, ids, MAX_TOKENS)
-            assert body["choices"][0]["text"] == greedy(ids), (round_, k)
-            if round_:
-                repeats.append(timings_with_cached(body))
-        if not round_:  # every put done: the first documents are in the store, not the host
-            wait_for(lambda: settled(served, app_name), 30, "the first round's puts")
+    # Between the rounds, every put done: the first documents are in the store, not the host.
+    repeats = ask_each_twice(url, documents, greedy, MAX_TOKENS, lambda: wait_for(
+        lambda: settled(served, app_name), 30, "the first round's puts"))
     # The first repeat's document left the device and its first blocks the host tier: the
     # store holds its prefix. The worker loads it when its estimate of the load (fitted on
     # its own store copies, the first round's puts among them) beats computing it: on a

@@ -15,12 +15,11 @@ import httpx
 import pytest
 
 from tests.support.kv_serving import (
-    complete,
+    ask_each_twice,
     greedy_completer,
     host_gb,
     random_documents,
     settled,
-    timings_with_cached,
 )
 from tests.support.metrics import metric_value
 from tests.support.processes import replica_pids
@@ -66,27 +65,13 @@ def ingress_index(app: str) -> dict[str, dict[str, dict[str, int]]]:
     return handle.prefix_index_stats.remote().result(timeout_s=30)
 
 
-def run_rounds(url: str, documents: list[list[int]], greedy: Any) -> list[dict[str, Any]]:
-    """Each document twice (a different question the second time), checked against one
-    engine; returns the second round's timings."""
-    second = []
-    for round_ in range(2):
-        for k, doc in enumerate(documents):
-            ids = doc + [5 + round_, 6, 7]
-            body = complete(url, ids, MAX_TOKENS)
-            assert body["choices"][0]["text"] == greedy(ids), (round_, k)
-            if round_:
-                second.append(timings_with_cached(body))
-    return second
-
-
 def test_disaggregated_repeats_reuse_their_prefix_from_device_or_host(
         ray_serve: ServedApps, tiny_checkpoints: dict[str, str], documents: list[list[int]],
         greedy: Any) -> None:
     with ray_serve.deploy("tiers", tiered(tiny_checkpoints["llama"], "disaggregated")) as url:
         wait_for(lambda: len(ingress_index("tiers").get("prefill", {})) == 2, 60,
                  "the ingress to follow both prefill replicas")
-        second = run_rounds(url, documents, greedy)
+        second = ask_each_twice(url, documents, greedy, MAX_TOKENS)
         for timings in second:
             assert timings["cached"] >= DOC_TOKENS - 16, timings  # the whole document
             assert timings["prefill_tokens_computed"] <= 20, timings
@@ -111,7 +96,7 @@ def test_colocated_repeats_load_from_the_host_tier(
         ray_serve: ServedApps, tiny_checkpoints: dict[str, str], documents: list[list[int]],
         greedy: Any) -> None:
     with ray_serve.deploy("tiers-colo", tiered(tiny_checkpoints["llama"], "colocated")) as url:
-        second = run_rounds(url, documents[:4], greedy)
+        second = ask_each_twice(url, documents[:4], greedy, MAX_TOKENS)
         assert all(t["cached"] >= DOC_TOKENS - 16 for t in second), second
         assert any(t["kv_tier"] == "host" and t["kv_loaded_tokens"] for t in second), second
         wait_for(lambda: settled(ray_serve, "tiers-colo"), 30, "the tiers to settle")

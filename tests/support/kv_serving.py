@@ -68,3 +68,22 @@ def timings_with_cached(body: dict[str, Any]) -> dict[str, Any]:
     """A completion's first pdserve timings, with the prompt tokens it found cached."""
     return body["pdserve_timings"][0] | {
         "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
+def ask_each_twice(url: str, documents: list[list[int]], greedy: Callable[[list[int]], str],
+                   max_tokens: int, between: Callable[[], None] | None = None,
+                   ) -> list[dict[str, Any]]:
+    """Each document twice (a different question the second time), every answer checked
+    against one engine; ``between`` runs after the first round. The second round's timings
+    (with cached tokens)."""
+    second = []
+    for round_ in range(2):
+        for k, doc in enumerate(documents):
+            ids = doc + [5 + round_, 6, 7]
+            body = complete(url, ids, max_tokens)
+            assert body["choices"][0]["text"] == greedy(ids), (round_, k)
+            if round_:
+                second.append(timings_with_cached(body))
+        if not round_ and between is not None:
+            between()
+    return second
