@@ -20,21 +20,21 @@ class EngineConfig:
     dtype: str  # a DTYPE_BY_NAME key, or "auto" (`auto_dtype`: chosen by the device)
     device: str  # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"
     block_size: int
-    # Blocks in the cache; None sizes it from kv_cache_memory_gb (`kv_cache.num_kv_blocks_for`).
+    # Blocks in the cache; None sizes it from kv_cache_memory_gb (`kv/cache.py` `num_kv_blocks_for`).
     num_kv_blocks: int | None
     kv_cache_memory_gb: float
     # On CUDA: the fraction of the device's memory the worker may use, the KV cache taking what
     # is left of it (`memory_profile.plan_kv_cache`); None: the size above, on every device.
     gpu_memory_utilization: float | None
     # The fraction of its device this worker owns: colocated replicas with fractional GPUs
-    # share one, each sizing its KV from its share (`kv_sizing.kv_budget_from_memory`).
+    # share one, each sizing its KV from its share (`kv/sizing.py` `kv_budget_from_memory`).
     device_share: float
     # Device memory the worker's KV handoff stages pieces in, kept out of a measured KV cache
     # (0: a worker without a handoff).
     handoff_staging_bytes: int
     max_num_batched_tokens: int
     max_num_seqs: int
-    # None: the model's max_position_embeddings (`kv_cache.max_model_len_for`).
+    # None: the model's max_position_embeddings (`kv/cache.py` `max_model_len_for`).
     max_model_len: int | None
     enable_prefix_caching: bool
     # Host tier per worker in GiB (0: none): evicted cached blocks live on there.

@@ -1,5 +1,5 @@
 """Sizes a worker's KV cache on its device: from the config, or on CUDA by measuring what one
-engine step at full size costs after the weights loaded (`kv_sizing` does the arithmetic); and
+engine step at full size costs after the weights loaded (`kv/sizing.py` does the arithmetic); and
 the start-up line that says what came out.
 """
 

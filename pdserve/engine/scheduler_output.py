@@ -13,7 +13,7 @@ from pdserve.engine.request import Request
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     """Limits of one scheduling step, taken from the `EngineConfig` (the config schema checks
-    them; ``max_model_len`` is derived by `kv_cache.max_model_len_for`).
+    them; ``max_model_len`` is derived by `kv/cache.py` `max_model_len_for`).
 
     ``max_num_batched_tokens``: token budget per step (prefill chunks + decodes).
     ``max_num_seqs``: requests holding a batch seat (running + awaiting received KV).

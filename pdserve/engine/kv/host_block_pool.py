@@ -1,5 +1,5 @@
 """The host tier's block allocator: which host block holds which cached block, which copies
-read or write them, and LRU eviction. Metadata only (the bytes live in `host_kv_tier.py`).
+read or write them, and LRU eviction. Metadata only (the bytes live in `engine/tiers/host.py`).
 """
 
 from __future__ import annotations

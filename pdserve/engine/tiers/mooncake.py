@@ -32,7 +32,7 @@ class MooncakeSettings:
 
 
 class MooncakeBlockStore:
-    """One worker's Mooncake Store client (`store_tier.BlockStore`): calls from one thread."""
+    """One worker's Mooncake Store client (`tiers/store.py` `BlockStore`): calls from one thread."""
 
     def __init__(self, settings: MooncakeSettings) -> None:
         from mooncake.store import MooncakeDistributedStore
