@@ -54,7 +54,8 @@ class LLMEngine:
     """Owns a model, its paged KV cache, a scheduler and a runner.
 
     Under tensor parallelism this is rank 0: its scheduler plans every step, its runner
-    broadcasts the plan to the replica's other ranks (`engine/shard_engine.py` `ShardEngine`), and it samples.
+    broadcasts the plan to the replica's other ranks (`shard_engine.py` `ShardEngine`), and
+    it samples.
 
     Not thread-safe: one thread calls `add_request`/`step`/`abort` (workers serialize calls).
     """

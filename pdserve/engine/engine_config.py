@@ -20,7 +20,7 @@ class EngineConfig:
     dtype: str  # a DTYPE_BY_NAME key, or "auto" (`auto_dtype`: chosen by the device)
     device: str  # "auto" (CUDA when available, else CPU), "cpu", "cuda" or "cuda:N"
     block_size: int
-    # Blocks in the cache; None sizes it from kv_cache_memory_gb (`kv/cache.py` `num_kv_blocks_for`).
+    # Blocks in the cache; None: sized from kv_cache_memory_gb (`kv/cache.py` `num_kv_blocks_for`).
     num_kv_blocks: int | None
     kv_cache_memory_gb: float
     # On CUDA: the fraction of the device's memory the worker may use, the KV cache taking what
