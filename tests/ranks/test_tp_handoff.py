@@ -7,9 +7,6 @@ gets every block back, Serve replaces the decode replica, and answers are right 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -19,7 +16,7 @@ import pytest
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from tests.support.processes import rank_pids, replica_pids
-from tests.support.streams import join_streams, start_streams
+from tests.support.streams import kill_under_streams
 from tests.support.tp_reuse import SYSTEM, chat, check_greedy_and_prefix_reuse, reference
 from tests.support.waiting import wait_for
 
@@ -65,12 +62,8 @@ def test_a_killed_decode_rank_ends_its_streams_and_prefill_gets_its_blocks_back(
                "stream": True, "messages": [{"role": "user", "content": f"{i} {SYSTEM}"}]}
               for i in range(3)]
     # Once underway, every prompt's KV arrived in both ranks: they are decoding.
-    events, threads = start_streams(tp_app, bodies)
-    os.kill(rank_pid, signal.SIGKILL)
-    join_streams(threads)  # within the 120 s request timeout: nothing hangs
-    for i in range(3):
-        assert events[i][-1] == "[DONE]", events[i][-3:]
-        assert json.loads(events[i][-2])["error"]["code"] == "service_unavailable"
+    for error in kill_under_streams(tp_app, bodies, rank_pid):
+        assert error["code"] == "service_unavailable"
     wait_for(lambda: replica_pids(APP, "decode") not in ([], [decode_pid])
              and len(rank_pids()) == 1 and rank_pid not in rank_pids(), 120,
              "Serve to replace the decode replica and its rank")

@@ -5,9 +5,6 @@ replaces the replica (with a new rank 1), and the app answers correctly again.""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
@@ -19,7 +16,7 @@ from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from tests.support.processes import rank_pids, replica_pids
-from tests.support.streams import join_streams, start_streams
+from tests.support.streams import kill_under_streams
 from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
@@ -91,12 +88,7 @@ def test_a_killed_rank_fails_its_replica_cleanly_and_serve_replaces_it(
     bodies = [{"model": "tiny", "messages": conv(i), "max_tokens": 2000, "temperature": 0,
                "ignore_eos": True, "stream": True}
               for i in range(3)]
-    events, threads = start_streams(tp_app, bodies)
-    os.kill(rank_pid, signal.SIGKILL)
-    join_streams(threads)  # within the 120 s request timeout: nothing hangs
-    for i in range(3):
-        assert events[i][-1] == "[DONE]", events[i][-3:]
-        error = json.loads(events[i][-2])["error"]
+    for error in kill_under_streams(tp_app, bodies, rank_pid):
         assert error == {"message": "the worker serving this request stopped; retry it",
                          "type": "server_error", "param": None, "code": "service_unavailable"}
     wait_for(lambda: replica_pids(APP, "decode") not in ([], [replica_pid])

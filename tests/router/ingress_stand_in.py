@@ -32,12 +32,17 @@ class RecordingPipeline:
         self.calls.append((request_id, params.seed))
         trace.update(path="colocated", num_prompt_tokens=len(ids))
         try:
-            yield GenerationDelta(f"<{request_id}>", [1], finished=not self.hang,
-                                  finish_reason=None if self.hang else "length")
-            if self.hang:
-                await asyncio.Event().wait()
+            async for delta in self.deltas(request_id):
+                yield delta
         finally:
             self.closed.append(request_id)
+
+    async def deltas(self, request_id: str) -> AsyncIterator[GenerationDelta]:
+        """One choice's output (what subclasses change)."""
+        yield GenerationDelta(f"<{request_id}>", [1], finished=not self.hang,
+                              finish_reason=None if self.hang else "length")
+        if self.hang:
+            await asyncio.Event().wait()
 
 
 STALLS = StallSettings(5.0, 8 << 20)

@@ -12,11 +12,9 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.delta import GenerationDelta
 from pdserve.router.ingress import Ingress
 from pdserve.router.stalls import StallSettings
-from pdserve.router.timings import RequestTrace
 from tests.router.ingress_stand_in import RecordingPipeline, ingress_with
 
 STREAM = json.dumps({"model": "tiny", "prompt": "hi", "stream": True}).encode()
@@ -25,17 +23,10 @@ STREAM = json.dumps({"model": "tiny", "prompt": "hi", "stream": True}).encode()
 class EndlessPipeline(RecordingPipeline):
     """Each choice yields a token every 10 ms until closed."""
 
-    async def generate(self, request_id: str, ids: list[int], params: SamplingParams,
-                       trace: RequestTrace, stream: bool = True,
-                       ) -> AsyncIterator[GenerationDelta]:
-        self.calls.append((request_id, params.seed))
-        trace.update(path="colocated", num_prompt_tokens=len(ids))
-        try:
-            while True:
-                yield GenerationDelta("tok ", [1])
-                await asyncio.sleep(0.01)
-        finally:
-            self.closed.append(request_id)
+    async def deltas(self, request_id: str) -> AsyncIterator[GenerationDelta]:
+        while True:
+            yield GenerationDelta("tok ", [1])
+            await asyncio.sleep(0.01)
 
 
 def statuses(ingress: Ingress) -> dict[str, float]:

@@ -1,8 +1,12 @@
 """Chat streams held open in threads while a test breaks something under them: each thread
-collects its stream's SSE data lines; the start returns once every stream is underway."""
+collects its stream's SSE data lines; the start returns once every stream is underway; a
+process killed under them ends each with an error event."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 from typing import Any
 
@@ -39,3 +43,14 @@ def join_streams(threads: list[threading.Thread], timeout_s: float = 60) -> None
     for thread in threads:
         thread.join(timeout_s)
         assert not thread.is_alive(), f"a stream still runs after {timeout_s:.0f}s"
+
+
+def kill_under_streams(url: str, bodies: list[dict[str, Any]], pid: int) -> list[dict[str, Any]]:
+    """SIGKILL ``pid`` once every stream is underway; every stream ends (none hangs) with an
+    error event and [DONE]. Each stream's error."""
+    events, threads = start_streams(url, bodies)
+    os.kill(pid, signal.SIGKILL)
+    join_streams(threads)  # within the 120 s request timeout: nothing hangs
+    for lines in events:
+        assert lines[-1] == "[DONE]", lines[-3:]
+    return [json.loads(lines[-2])["error"] for lines in events]
