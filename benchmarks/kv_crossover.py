@@ -55,15 +55,16 @@ def measure(tier: str, path: Path, master, lengths: tuple[int, ...], repeats: in
 
     blocks = max(lengths) // 16 + 2
     host_gb = 0.5 if tier == "host" else 0.0
+    # Every hit loads (kv_load_policy always): this measures what the cost model estimates.
     engine = LLMEngine(engine_config(str(path), num_kv_blocks=blocks, host_kv_cache_gb=host_gb,
-                                     max_num_batched_tokens=max(lengths) + 16))
+                                     max_num_batched_tokens=max(lengths) + 16,
+                                     kv_load_policy="always"))
     if tier == "store":
         section = KVStoreSection(enabled=True, master_address=master.rpc_address,
                                  metadata_server=master.metadata_server, segment_mb=512,
                                  staging_mb=64)
         engine.tiers.attach_store(MooncakeBlockStore(section.client_settings("127.0.0.1")))
     assert engine.scheduler.loads is not None
-    engine.scheduler.loads.cost = AlwaysLoad()  # measure every load, whatever the model says
     vocab = engine.loaded.config.vocab_size
     rng = random.Random(0)
     draw = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
@@ -90,18 +91,6 @@ def measure(tier: str, path: Path, master, lengths: tuple[int, ...], repeats: in
                          "copy_ms": 1000 * min(model_load)})
     engine.close()
     return rows
-
-
-class AlwaysLoad:
-    """A cost model that always loads (this benchmark measures what the real one estimates)."""
-
-    def decide(self, tier: str, num_tokens: int, num_bytes: int, end_position: int):  # noqa: ANN201
-        from pdserve.engine.tiers.cost import LoadDecision
-
-        return LoadDecision(tier, num_tokens, num_bytes, None, None)
-
-    def observe_transfer(self, *args: object) -> None:
-        pass
 
 
 def crossover(rows: list[dict[str, float]]) -> int | None:

@@ -118,6 +118,12 @@ class EngineSection(Section):
         "prompt whose prefix continues there loads it back (fenced: the request computes only "
         "after the copy verified) when the measured load time beats the measured prefill "
         "time. Needs enable_prefix_caching.")
+    kv_load_policy: Literal["measured", "always"] = Field(
+        "measured", description="How a worker chooses between loading a prefix that its host "
+        "tier, the shared store or a peer holds and computing it: measured (load when the "
+        "fitted copy time beats the measured prefill time; a tier's first copies are tried, to "
+        "measure them) or always (load whatever the timings say: for a store known to be "
+        "fast, and for tests and benchmarks of the load path).")
     peer_kv_pull: bool = Field(
         False, description="Disaggregated mode: when another prefill replica caches a longer "
         "prefix of a prompt (the ingress's prefix index) than the replica chosen to prefill it, "
@@ -194,7 +200,8 @@ class EngineSection(Section):
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_num_seqs=self.max_num_seqs, max_model_len=model.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching,
-            host_kv_cache_gb=self.host_kv_cache_gb, peer_kv_pull=self.peer_kv_pull,
+            host_kv_cache_gb=self.host_kv_cache_gb, kv_load_policy=self.kv_load_policy,
+            peer_kv_pull=self.peer_kv_pull,
             peer_link_latency_s=self.peer_link_latency_ms / 1000.0,
             peer_link_bytes_per_s=self.peer_link_gb_per_s * 1e9,
             long_prefill_token_threshold=self.long_prefill_token_threshold,

@@ -79,7 +79,7 @@ class LLMEngine:
         num_blocks = self.kv_budget.num_blocks
         self.kv_cache = allocate_kv_cache(self.layout, num_blocks, self.device)
         self.tiers = KVTiers(self.layout, self.kv_cache, config.host_kv_cache_gb,
-                             config.enable_prefix_caching)
+                             config.enable_prefix_caching, config.kv_load_policy == "always")
         self.kv_manager = KVCacheManager(
             num_blocks, config.block_size, loaded.fingerprint, config.enable_prefix_caching,
             self.tiers.events, self.tiers.host.pool if self.tiers.host else None,

@@ -39,6 +39,8 @@ class EngineConfig:
     enable_prefix_caching: bool
     # Host tier per worker in GiB (0: none): evicted cached blocks live on there.
     host_kv_cache_gb: float
+    # "measured" (the cost model chooses load or compute) or "always" (every tier hit loads).
+    kv_load_policy: str
     # Prefill role: pull a longer prefix that another prefill worker caches when that beats
     # computing it; a pull's assumed cost until one is measured.
     peer_kv_pull: bool

@@ -60,10 +60,12 @@ class KVTiers:
     """Owns the event log, the cost model and (when sized) the host tier of one engine."""
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, host_kv_cache_gb: float,
-                 enable_prefix_caching: bool) -> None:
+                 enable_prefix_caching: bool, always_load: bool) -> None:
+        """``always_load``: every prefix another tier holds is loaded (engine.kv_load_policy
+        always), the cost model still measuring."""
         self.layout = layout
         self.events = KVEventLog()
-        self.cost = KVCostModel()
+        self.cost = KVCostModel(always_load)
         self.wakeup: Callable[[], None] | None = None  # the engine loop's, once it runs
         num_host = num_host_blocks_for(layout, host_kv_cache_gb)
         self.host: HostKVTier | None = None

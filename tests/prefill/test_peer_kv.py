@@ -22,7 +22,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.handoff import HandoffTicket
 from pdserve.prefill.peer_kv import PeerSendRequest, PeerSource, best_source
 from pdserve.prefill.peer_source import send_cached
-from tests.support.kv_tiers import always_load, run, settle
+from tests.support.kv_tiers import run, settle
 from tests.support.waiting import wait_for
 
 
@@ -92,8 +92,8 @@ def test_a_prefix_evicted_to_the_host_tier_comes_back_to_device_and_is_sent(
     probe = LLMEngine(engine_config(path, num_kv_blocks=1))
     block_bytes = kv_cache_bytes(probe.layout, 1)
     probe.close()
-    engine = always_load(LLMEngine(engine_config(path, num_kv_blocks=12,
-                                                 host_kv_cache_gb=40 * block_bytes / 2**30)))
+    engine = LLMEngine(engine_config(path, num_kv_blocks=12, kv_load_policy="always",
+                                     host_kv_cache_gb=40 * block_bytes / 2**30))
     reference = LLMEngine(engine_config(path, num_kv_blocks=32, enable_prefix_caching=False))
     rng = random.Random(5)
     vocab = engine.loaded.config.vocab_size

@@ -8,32 +8,13 @@ from typing import TYPE_CHECKING
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tiers.cost import KVCostModel, KVReuse, LoadDecision
+from pdserve.engine.tiers.cost import KVReuse
 from tests.support.waiting import wait_for
 
 if TYPE_CHECKING:
     from pdserve.engine.tiers.mooncake import MooncakeBlockStore
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-class AlwaysLoad(KVCostModel):
-    """The worker's cost model, measuring as ever, whose every decision is a load: for tests of
-    what a load does, whatever this machine's timings would choose (a tiny model computes a
-    short prefix about as fast as a busy copy thread loads it)."""
-
-    def decide(self, tier: str, num_tokens: int, num_bytes: int,
-               end_position: int) -> LoadDecision:
-        decision = super().decide(tier, num_tokens, num_bytes, end_position)
-        return LoadDecision(decision.tier, decision.num_tokens, decision.num_bytes, None,
-                            decision.compute_s)
-
-
-def always_load(engine: LLMEngine) -> LLMEngine:
-    """``engine`` with `AlwaysLoad` as its cost model (it must have a tier beside the device)."""
-    assert engine.scheduler.loads is not None
-    engine.tiers.cost = engine.scheduler.loads.cost = AlwaysLoad()
-    return engine
 
 
 def run(engine: LLMEngine, prompts: dict[str, list[int]],

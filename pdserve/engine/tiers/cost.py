@@ -25,10 +25,11 @@ class LoadDecision:
     num_bytes: int
     load_s: float | None
     compute_s: float | None
+    forced: bool = False  # engine.kv_load_policy always: a load whatever the estimates
 
     @property
     def load(self) -> bool:
-        if self.load_s is None or self.compute_s is None:
+        if self.forced or self.load_s is None or self.compute_s is None:
             return True
         return self.load_s < self.compute_s
 
@@ -105,9 +106,11 @@ class PrefillRate:
 class KVCostModel:
     """The worker's measurements: one `TransferRate` per tier, one `PrefillRate`."""
 
-    def __init__(self) -> None:
+    def __init__(self, always_load: bool) -> None:
+        """``always_load``: every decision a load, its estimates still reported."""
         self.transfers: dict[str, TransferRate] = {}
         self.prefill = PrefillRate()
+        self.always_load = always_load
 
     def set_prior(self, tier: str, latency_s: float, bytes_per_s: float) -> None:
         """What a copy from ``tier`` is assumed to cost until one is measured."""
@@ -123,9 +126,9 @@ class KVCostModel:
                end_position: int) -> LoadDecision:
         """Load ``num_tokens`` ending at ``end_position`` from ``tier``, or compute them."""
         rate = self.transfers.get(tier)
-        return LoadDecision(tier, num_tokens, num_bytes,
-                            None if rate is None else rate.estimate(num_bytes),
-                            self.prefill.estimate(num_tokens, end_position))
+        load_s = None if rate is None else rate.estimate(num_bytes)
+        return LoadDecision(tier, num_tokens, num_bytes, load_s,
+                            self.prefill.estimate(num_tokens, end_position), self.always_load)
 
 
 @dataclass(frozen=True)
@@ -151,13 +154,13 @@ class KVReuse:
         d = self.decision
         return [self.num_device_tokens, self.num_loaded_tokens, self.load_s, self.failure,
                 None if d is None else [d.tier, d.num_tokens, d.num_bytes, d.load_s,
-                                        d.compute_s]]
+                                        d.compute_s, d.forced]]
 
     @classmethod
     def from_wire(cls, raw: list[Any]) -> KVReuse:
         device, loaded, load_s, failure, d = raw
         decision = None if d is None else LoadDecision(
             str(d[0]), int(d[1]), int(d[2]), None if d[3] is None else float(d[3]),
-            None if d[4] is None else float(d[4]))
+            None if d[4] is None else float(d[4]), bool(d[5]))
         return cls(int(device), decision, int(loaded), None if load_s is None else float(load_s),
                    None if failure is None else str(failure))

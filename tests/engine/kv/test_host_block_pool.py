@@ -117,7 +117,7 @@ def test_the_cost_model_fits_latency_and_bandwidth_and_picks_the_cheaper() -> No
         rate.observe(num_bytes, 0.01 + num_bytes / 1e6)
     latency, bandwidth = rate.fit() or (0, 0)
     assert latency == pytest.approx(0.01) and bandwidth == pytest.approx(1e6)
-    model = KVCostModel()
+    model = KVCostModel(False)
     assert model.decide("host", 16, 1000, 16).load  # nothing measured: try (and measure)
     model.observe_transfer("host", 1000, 0.011)
     model.observe_transfer("host", 2000, 0.012)

@@ -178,7 +178,7 @@ def test_cost_model_declines_a_pull_that_loses(loaded: LoadedModel, path: str) -
 
 
 def test_measured_pulls_replace_the_assumed_cost() -> None:
-    cost = KVCostModel()
+    cost = KVCostModel(False)
     cost.set_prior("peer", 0.5, 1e6)
     assert cost.decide("peer", 16, 1_000_000, 16).load_s == pytest.approx(1.5)
     cost.observe_transfer("peer", 1_000_000, 0.01)

@@ -15,7 +15,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.kv.cache import GIB, kv_cache_bytes
 from pdserve.engine.loaded_model import LoadedModel
 from pdserve.engine.sampling_params import SamplingParams
-from tests.support.kv_tiers import always_load, run, settle
+from tests.support.kv_tiers import run, settle
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 DEVICE_BLOCKS = 24  # 384 tokens at block size 16: two documents evict a third
@@ -31,9 +31,9 @@ def make(loaded: LoadedModel, path: str, host_blocks: int, device_blocks: int) -
     probe = LLMEngine(engine_config(path, num_kv_blocks=1), loaded=loaded)
     layout_bytes = kv_cache_bytes(probe.layout, 1)
     probe.close()
-    return always_load(LLMEngine(engine_config(path, num_kv_blocks=device_blocks,
-                                               host_kv_cache_gb=host_blocks * layout_bytes / GIB),
-                                 loaded=loaded))
+    return LLMEngine(engine_config(path, num_kv_blocks=device_blocks, kv_load_policy="always",
+                                   host_kv_cache_gb=host_blocks * layout_bytes / GIB),
+                     loaded=loaded)
 
 
 def documents(vocab: int) -> dict[str, list[int]]:
