@@ -1,5 +1,6 @@
-"""Fault points: named phases of a request's handoff where a test may make a worker die as
-the OS kills a process (SIGKILL), to prove a death at exactly that phase loses nothing.
+"""Fault points: named phases of a request's handoff (and of a prefix load from another KV
+tier) where a test may make a worker die as the OS kills a process (SIGKILL), to prove a
+death at exactly that phase loses nothing.
 
 Arming needs PDSERVE_FAULT_POINTS=1 in the worker's environment (the test suite sets it);
 without it `arm` refuses and `hit` costs one attribute test on the paths that call it.
@@ -27,6 +28,11 @@ POINTS = {
     "decode.fence_verified": "the fence verified; the request has not joined the batch",
     "decode.decoding": "the request produced tokens after the first",
 }
+# Points outside the handoff: an app without that tier never reaches them.
+TIER_POINTS = {
+    "prefill.loading_kv": "a request's prefix copy from the host tier or the store was "
+                          "submitted; the request waits for it (LOADING_KV)",
+}
 
 
 class UnknownFaultPointError(ValueError):
@@ -47,9 +53,9 @@ class FaultPoints:
         if not self.enabled:
             raise RuntimeError(f"fault points are off in this worker (set {ENV_VAR}=1 in its "
                                "environment to arm them)")
-        if name not in POINTS:
+        if name not in POINTS and name not in TIER_POINTS:
             raise UnknownFaultPointError(
-                f"no fault point {name!r}; known: {', '.join(sorted(POINTS))}")
+                f"no fault point {name!r}; known: {', '.join(sorted(POINTS | TIER_POINTS))}")
         with self._lock:
             self._armed.add(name)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.faults import POINTS, FaultPoints, UnknownFaultPointError
+from pdserve.faults import POINTS, TIER_POINTS, FaultPoints, UnknownFaultPointError
 
 
 def test_an_armed_point_fires_once_at_its_own_hit() -> None:
@@ -30,3 +30,5 @@ def test_arming_needs_the_opt_in_and_a_known_name(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(UnknownFaultPointError, match="prefill.reserved"):
         FaultPoints().arm("prefill.nowhere")
     assert all(role in ("prefill", "decode") for role in (p.split(".")[0] for p in POINTS))
+    FaultPoints().arm("prefill.loading_kv")  # a tier's point: armed alike, not a handoff phase
+    assert "prefill.loading_kv" in TIER_POINTS and "prefill.loading_kv" not in POINTS

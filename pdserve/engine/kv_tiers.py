@@ -66,6 +66,8 @@ class KVTiers:
         self.layout = layout
         self.events = KVEventLog()
         self.cost = KVCostModel(always_load)
+        # Told of each load once its copy was submitted (the prefill worker's fault point).
+        self.on_load: Callable[[], None] | None = None
         self.wakeup: Callable[[], None] | None = None  # the engine loop's, once it runs
         num_host = num_host_blocks_for(layout, host_kv_cache_gb)
         self.host: HostKVTier | None = None
@@ -125,6 +127,8 @@ class KVTiers:
         else:
             assert self.store is not None
             self.store.submit(False, device_ids, plan.hashes, request_id)
+        if self.on_load is not None and plan.tier is not Tier.PEER:
+            self.on_load()
 
     @property
     def has_work(self) -> bool:

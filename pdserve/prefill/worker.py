@@ -129,6 +129,8 @@ class PrefillWorker:
         if self._remote:  # the other ranks learn their routes from the step plan
             self.engine.runner.attach = self._attach
         self.faults = FaultPoints()
+        if self.faults.enabled:
+            self.engine.tiers.on_load = lambda: self.faults.hit("prefill.loading_kv")
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
         self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
         self.drain_timeout_s = drain_timeout_s

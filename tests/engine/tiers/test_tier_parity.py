@@ -62,9 +62,12 @@ def test_hit_miss_partial_hit_and_failed_load_match_one_tier(
     for name in "BCD":  # push A out of the device cache
         run(engine, {name: docs[name] + question})
         settle(engine)
+    loads: list[bool] = []
+    engine.tiers.on_load = lambda: loads.append(True)  # where the loading_kv fault point sits
     hit = run(engine, {"a2": docs["A"] + question})["a2"]
     assert hit[0] == expected(reference, docs["A"] + question)
     assert hit[1].tier == "host" and hit[1].num_loaded_tokens >= 96, hit[1]
+    assert loads == [True]  # told once, as the one copy was submitted
     partial_prompt = docs["A"][:64] + [11, 12, 13] * 20
     for name in "BCE":
         run(engine, {name + "2": docs[name] + [1, 2]})
