@@ -21,6 +21,7 @@ class WorkerLoad:
     num_running: int
     num_waiting: int  # requests not running yet (decode: those awaiting KV too)
     num_queued_tokens: int = 0  # prefill: prompt tokens accepted and not prefilled yet
+    queue_seq: int = 0  # prefill: changes to that queue so far (a higher count is newer)
     kv_events_address: str = ""  # "host:port" of its KV event plane ("" : none)
     # The KV tiers beside the device: host blocks held, requests whose prefix is loading now;
     # cumulative: loads (host, and pulls from peer workers) and their bytes and seconds, loads
@@ -51,6 +52,20 @@ class WorkerLoad:
             return None
         return cls(**{f.name: (str if f.type in (str, "str") else int)(stats[f.name])
                       for f in fields(cls) if f.name in stats})
+
+
+@dataclass(frozen=True)
+class PrefillQueue:
+    """A prefill worker's queue of prompt tokens accepted and not prefilled yet, with the
+    count of changes that made it: of two views of one worker's queue (a load report Serve
+    relays up to a period late, the view a finished prefill carries back), the higher
+    ``seq`` is the newer."""
+
+    seq: int = 0
+    num_tokens: int = 0
+
+    def add(self, num_tokens: int) -> PrefillQueue:
+        return PrefillQueue(self.seq + 1, self.num_tokens + num_tokens)
 
 
 def tier_load(stats: Any) -> dict[str, int]:

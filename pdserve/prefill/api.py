@@ -11,6 +11,7 @@ from typing import Any
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tiers.cost import KVReuse
+from pdserve.replica import PrefillQueue
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,7 @@ class PrefillResult:
     compute_s: float  # from the first scheduled chunk until the first token was sampled
     first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
     kv_reuse: KVReuse | None = None  # how the prompt's prefix was reused, by tier
+    # The worker that answered and its queue as it answered: fresher than its last load
+    # report, which can still count this very prompt as queued.
+    replica_id: str = ""
+    queue: PrefillQueue | None = None

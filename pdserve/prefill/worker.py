@@ -40,7 +40,7 @@ from pdserve.planes.kv_event_server import serve_engine_events
 from pdserve.prefill.api import PrefillRequest, PrefillResult, first_block_to_send
 from pdserve.prefill.peer_kv import PeerPuller, PeerSendRequest, PeerSource, best_source
 from pdserve.prefill.peer_source import send_cached
-from pdserve.replica import WorkerLoad, tier_load
+from pdserve.replica import PrefillQueue, WorkerLoad, tier_load
 
 logger = logging.getLogger(__name__)
 Routes = list[tuple[int, HandoffTicket]]  # (sender rank, ticket) per route
@@ -132,7 +132,7 @@ class PrefillWorker:
         if self.faults.enabled:
             self.engine.tiers.on_load = lambda: self.faults.hit("prefill.loading_kv")
         self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
-        self.num_queued_tokens = 0  # prompt tokens accepted and not prefilled yet
+        self.queue = PrefillQueue()  # replaced whole: Serve's stats thread reads it
         self.drain_timeout_s = drain_timeout_s
         logger.info("prefill worker ready: %s", self.engine.describe())
 
@@ -146,7 +146,7 @@ class PrefillWorker:
         first: RequestOutput | None = None
         stream = self.async_engine.open_stream(rid)
         queued = len(request.prompt_token_ids) - request.decode_cached_tokens
-        self.num_queued_tokens += queued
+        self.queue = self.queue.add(queued)
         source = None
         if self.puller is not None:
             self.puller.loop = asyncio.get_running_loop()
@@ -163,7 +163,7 @@ class PrefillWorker:
             self.async_engine.submit(lambda: self._give_up(rid))
             raise
         finally:
-            self.num_queued_tokens -= queued
+            self.queue = self.queue.add(-queued)
             await self.async_engine.close_stream(rid, abort=False)
         self.faults.hit("prefill.layers_sent")
         for transfer in transfers:
@@ -180,6 +180,7 @@ class PrefillWorker:
             compute_s=max(0.0, time.monotonic() - arrived - first.queue_s),
             first_logprobs=first.logprobs[0] if first.logprobs else None,
             kv_reuse=first.kv_reuse,
+            replica_id=self.context.own_replica_id(), queue=self.queue,
         )
 
     def _attach(self, output: SchedulerOutput) -> dict[str, Any]:
@@ -305,10 +306,10 @@ class PrefillWorker:
     def record_routing_stats(self) -> dict[str, Any]:
         """This replica's load (`WorkerLoad`), which Serve asks for on the role's timer and
         hands to the prefill request router and the ingress (counters only)."""
-        kv, sched = self.engine.kv_manager, self.engine.scheduler
+        kv, sched, queue = self.engine.kv_manager, self.engine.scheduler, self.queue
         return WorkerLoad(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
                           num_running=sched.num_running, num_waiting=sched.num_waiting,
-                          num_queued_tokens=self.num_queued_tokens,
+                          num_queued_tokens=queue.num_tokens, queue_seq=queue.seq,
                           kv_events_address=self.events.address,
                           **tier_load(self.engine.tiers.stats())).to_stats()
 

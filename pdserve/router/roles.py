@@ -8,10 +8,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.replica import WorkerLoad
+from pdserve.replica import PrefillQueue, WorkerLoad
 from pdserve.router.background import BackgroundTask
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class RoleMonitor:
         self._dead_since: dict[str, float] = {}
         self._gone = {role: asyncio.Event() for role in self.handles}
         self._unreadable: set[str] = set()  # roles whose loads Serve's handle does not show
+        self._queues: dict[str, PrefillQueue] = {}  # fresher than the reports, by replica
 
     def start(self) -> None:
         """Start polling on the running loop (idempotent)."""
@@ -89,8 +90,24 @@ class RoleMonitor:
         return self._gone[role]
 
     def loads(self) -> list[ReplicaLoad]:
-        """Every running replica's load, as of the last poll."""
-        return list(self._loads)
+        """Every running replica's load, as of the last poll; a prefill queue seen newer
+        since (`observe_queue`) replaces the reported one."""
+        return [self._fresher(load) for load in self._loads]
+
+    def observe_queue(self, replica_id: str, queue: PrefillQueue) -> None:
+        """A prefill replica's queue as one of its answers carried it. Its load reports lag
+        up to a report period: without this, a report taken while a prompt was queued
+        there would price that replica a whole prompt dearer after the prompt was done (and
+        send the next repeat of a cached prefix elsewhere)."""
+        known = self._queues.get(replica_id)
+        if known is None or queue.seq > known.seq:
+            self._queues[replica_id] = queue
+
+    def _fresher(self, load: ReplicaLoad) -> ReplicaLoad:
+        queue = self._queues.get(load.replica_id)
+        if queue is None or queue.seq <= load.queue_seq:
+            return load
+        return replace(load, num_queued_tokens=queue.num_tokens, queue_seq=queue.seq)
 
     async def _run(self) -> None:
         while True:
@@ -106,6 +123,8 @@ class RoleMonitor:
         self.counts = counts
         self._loads = [load for role in self.handles if counts.get(role)
                        for load in self._reported(role)]
+        running = {load.replica_id for load in self._loads}
+        self._queues = {rid: q for rid, q in self._queues.items() if rid in running}
         if self._on_loads is not None:
             self._on_loads(self._loads)
         self.refreshed.set()

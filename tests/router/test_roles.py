@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from pdserve.replica import WorkerLoad
+from pdserve.replica import PrefillQueue, WorkerLoad
 from pdserve.router.roles import RoleMonitor, replica_died, serve_routing_stats
 
 LOAD = WorkerLoad(num_blocks=10, num_free_blocks=4, num_running=2, num_waiting=1)
@@ -143,3 +144,43 @@ def test_loads_are_known_once_every_role_reported() -> None:
         assert monitor.loads_known.is_set()
 
     asyncio.run(run())
+
+
+def test_a_queue_an_answer_carries_replaces_an_older_report_until_a_newer_one() -> None:
+    async def run() -> None:
+        prefill = _Role("prefill")
+        # Reported while a 512-token prompt waited there (its 7th queue change).
+        reported = replace(LOAD, num_queued_tokens=512, queue_seq=7)
+        prefill.reports = [("prefill-0", reported.to_stats())]
+
+        async def source() -> dict[str, int]:
+            return {"prefill": 1}
+
+        monitor = RoleMonitor({"prefill": prefill}, source, routing_stats=_stats)
+        await monitor.poll()
+        assert [load.num_queued_tokens for load in monitor.loads()] == [512]
+
+        monitor.observe_queue("prefill-0", PrefillQueue(seq=6, num_tokens=0))  # older
+        assert [load.num_queued_tokens for load in monitor.loads()] == [512]
+        monitor.observe_queue("prefill-0", PrefillQueue(seq=8, num_tokens=0))  # it finished
+        assert [(load.num_queued_tokens, load.queue_seq) for load in monitor.loads()] == [
+            (0, 8)]
+        await monitor.poll()  # the next report is still the old one: the answer stands
+        assert [load.num_queued_tokens for load in monitor.loads()] == [0]
+
+        prefill.reports = [("prefill-0", replace(LOAD, num_queued_tokens=90,
+                                                 queue_seq=9).to_stats())]
+        await monitor.poll()  # a report newer than the answer wins
+        assert [load.num_queued_tokens for load in monitor.loads()] == [90]
+
+        prefill.reports = []
+        await monitor.poll()
+        monitor.observe_queue("prefill-1", PrefillQueue(seq=1, num_tokens=5))
+        assert monitor.loads() == []  # answers never invent a replica
+
+    asyncio.run(run())
+
+
+def test_a_prefill_queue_counts_its_changes() -> None:
+    queue = PrefillQueue().add(300).add(20).add(-300)
+    assert (queue.seq, queue.num_tokens) == (3, 20)
