@@ -22,6 +22,12 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 DEFAULT_MODEL_DIR = Path.home() / ".cache" / "pdserve" / "models"
 
 
+def add_model_args(p: Any) -> None:
+    """--model-dir (where generated checkpoints are kept) and --seed (the workload's RNG)."""
+    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    p.add_argument("--seed", type=int, default=0)
+
+
 def offline() -> None:
     """Benchmarks never touch the network: every checkpoint is generated locally."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -23,7 +23,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.parallel import SINGLE_RANK, TPGroup
 from pdserve.engine.parallel.group import connect_group, host_store
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.shard_engine import ShardEngine
+from pdserve.engine.shard_engine import run_shard
 
 COLLECTIVE_TIMEOUT_S = 120.0
 
@@ -68,9 +68,7 @@ def measure(path: str, tp: TPGroup, args: argparse.Namespace) -> dict[str, Any] 
     config = engine_config(path, dtype="float32", device="cpu",
                            max_model_len=args.prompt_len + args.decode_tokens + 16)
     if not tp.is_first:
-        shard = ShardEngine(config, tp)
-        shard.run()
-        return shard.num_steps
+        return run_shard(config, tp)
     engine = LLMEngine(config, tp=tp)
     try:
         _drive(engine, _prompts(2, 32, 0), 4, False)  # warm-up

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import DEFAULT_MODEL_DIR, bar_chart, ensure_checkpoint, offline, save_json
+from _common import add_model_args, bar_chart, ensure_checkpoint, offline, save_json
 from _overhead_runs import Request, RunResult, Served, pdserve_serve, run_offline, run_served
 from _proc_cpu import session_pids, snapshot
 
@@ -244,8 +244,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:50"])
     p.add_argument("--no-goodput", dest="run_goodput", action="store_false")
     p.add_argument("--port", type=int, default=18400)
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p)
     return p.parse_args()
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _common import DEFAULT_MODEL_DIR, bar_chart, ensure_checkpoint, offline, save_json
+from _common import add_model_args, bar_chart, ensure_checkpoint, offline, save_json
 from _overhead_runs import Request, RunResult, pdserve_serve, run_offline, run_served
 from _proc_cpu import ENGINE_THREAD, busiest_threads
 
@@ -221,8 +221,7 @@ def parse_args() -> argparse.Namespace:
                    help="http.frontend: each ingress replica's own port, or Serve's proxy")
     p.add_argument("--scale", type=float, default=1.0, help="shrink output and long lengths")
     p.add_argument("--port", type=int, default=18200, help="HTTP port of the served app")
-    p.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p)
     return p.parse_args()
 
 

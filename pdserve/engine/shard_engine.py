@@ -65,5 +65,13 @@ class ShardEngine:
             self.num_steps += 1
 
 
+def run_shard(config: EngineConfig, tp: TPGroup) -> int:
+    """A rank other than the first, from start to stop: load its part of the model, run the
+    steps rank 0 broadcasts until it says stop; the number of steps it ran."""
+    shard = ShardEngine(config, tp)
+    shard.run()
+    return shard.num_steps
+
+
 def _with_plan(layer_hook: PlanHook, plan: StepPlan, layer: int) -> None:
     layer_hook(layer, plan)

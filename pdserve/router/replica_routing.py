@@ -40,10 +40,8 @@ def _ranking_of(pending: PendingRequest | None) -> tuple[str, ...]:
     return tuple(getattr(pending.args[0], "replica_ranking", ()) or ())
 
 
-class RankedRouter(FIFOMixin, RequestRouter):
-    """Follow the replica ranking the ingress put on the request (`router/placement.py`:
-    cached prefix from the cluster's prefix index, and load), one replica per rank; replicas
-    it does not name come last, together (Serve picks the shortest queue among them)."""
+class _PolicyRouter(FIFOMixin, RequestRouter):
+    """A call that names a ``pinned_replica`` goes there; the others by the policy's `rank`."""
 
     def initialize_state(self, **_: Any) -> None:
         pass
@@ -54,6 +52,20 @@ class RankedRouter(FIFOMixin, RequestRouter):
         pinned = _pinned(candidate_replicas, pending_request)
         if pinned is not None:
             return pinned
+        return self.rank(candidate_replicas, pending_request) if candidate_replicas else []
+
+    def rank(self, candidate_replicas: list[RunningReplica],
+             pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
+        raise NotImplementedError
+
+
+class RankedRouter(_PolicyRouter):
+    """Follow the replica ranking the ingress put on the request (`router/placement.py`:
+    cached prefix from the cluster's prefix index, and load), one replica per rank; replicas
+    it does not name come last, together (Serve picks the shortest queue among them)."""
+
+    def rank(self, candidate_replicas: list[RunningReplica],
+             pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         by_id = {str(r.replica_id.unique_id): r for r in candidate_replicas}
         ranked = [[by_id[rid]] for rid in _ranking_of(pending_request) if rid in by_id]
         named = {id(rank[0]) for rank in ranked}
@@ -61,18 +73,14 @@ class RankedRouter(FIFOMixin, RequestRouter):
         return ranked + ([rest] if rest else [])
 
 
-class KVHeadroomRouter(FIFOMixin, RequestRouter):
+class KVHeadroomRouter(_PolicyRouter):
     """Decode: prefer replicas with the most free KV blocks (from their routing stats)."""
 
     def initialize_state(self, band: float = 0.1, **_: Any) -> None:
         self.band = band
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None,
-                              ) -> list[list[RunningReplica]]:
-        pinned = _pinned(candidate_replicas, pending_request)
-        if pinned is not None:
-            return pinned
+    def rank(self, candidate_replicas: list[RunningReplica],
+             pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         headroom = {}
         for replica in candidate_replicas:
             load = WorkerLoad.from_stats(replica.routing_stats or {})
@@ -83,20 +91,14 @@ class KVHeadroomRouter(FIFOMixin, RequestRouter):
                 for rank in rank_by_headroom(list(by_id), headroom, self.band) if rank]
 
 
-class RoundRobinRouter(FIFOMixin, RequestRouter):
+class RoundRobinRouter(_PolicyRouter):
     """Each replica in turn: the baseline the smarter policies are compared against."""
 
     def initialize_state(self, **_: Any) -> None:
         self.turn = 0
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None,
-                              ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        pinned = _pinned(candidate_replicas, pending_request)
-        if pinned is not None:
-            return pinned
+    def rank(self, candidate_replicas: list[RunningReplica],
+             pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         self.turn += 1
         start = self.turn % len(ordered)

@@ -21,7 +21,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel.group import TPGroup
 from pdserve.engine.parallel.shard import TPSplitError, check_tp_fits
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.shard_engine import ShardEngine
+from pdserve.engine.shard_engine import run_shard
 from tests.engine.paged_runs import shuffled_block_tables
 from tests.support.tp_ranks import run_ranks
 
@@ -87,9 +87,7 @@ def _generate(path: str, tp: TPGroup, prompts: list[list[int]]) -> list[list[int
     config = engine_config(path, num_kv_blocks=128, block_size=BLOCK_SIZE,
                            max_num_batched_tokens=24)  # chunked prompts, mixed steps
     if not tp.is_first:
-        shard = ShardEngine(config, tp)
-        shard.run()
-        return shard.num_steps
+        return run_shard(config, tp)
     engine = LLMEngine(config, tp=tp)
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -7,6 +7,7 @@ Qwen2 differs only by q/k/v biases (``attention_bias``); both load HF weight nam
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +23,19 @@ from pdserve.engine.parallel.group import SINGLE_RANK, TPGroup
 from pdserve.engine.parallel.shard import TPShard
 
 LayerHook = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What every layer of one forward shares: the rotary cos/sin of its positions, the
+    attention backend with its metadata and prepared plan, and the hook told when a layer's
+    K/V is in the cache."""
+
+    rope: tuple[torch.Tensor, torch.Tensor]
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    plan: Any
+    layer_hook: LayerHook | None
 
 
 class Attention(nn.Module):
@@ -50,27 +64,19 @@ class Attention(nn.Module):
         o_bias = config.attention_bias and config.architecture == "llama" and tp.rank == 0
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        layer_cache: torch.Tensor,
-        backend: AttentionBackend,
-        metadata: AttentionMetadata,
-        plan: Any,
-        layer_hook: LayerHook | None,
-    ) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, layer_cache: torch.Tensor,
+                step: StepInputs) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         # q and k heads side by side, rotated by one set of ops (the same values as apart).
         qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-        qk = apply_rotary(qk, *rope)
+        qk = apply_rotary(qk, *step.rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        backend.write_kv(layer_cache, k, v, metadata)
-        if layer_hook is not None:
-            layer_hook(self.layer_index)
-        out = backend.attend(q, layer_cache, metadata, plan, self.scale)
+        step.backend.write_kv(layer_cache, k, v, step.metadata)
+        if step.layer_hook is not None:
+            step.layer_hook(self.layer_index)
+        out = step.backend.attend(q, layer_cache, step.metadata, step.plan, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, self.q_size)))
 
 
@@ -83,19 +89,9 @@ class DecoderLayer(nn.Module):
         intermediate = TPShard(tp.rank, tp.size).even(config.intermediate_size)[1]
         self.mlp = GatedMLP(config.hidden_size, intermediate, tp)
 
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        layer_cache: torch.Tensor,
-        backend: AttentionBackend,
-        metadata: AttentionMetadata,
-        plan: Any,
-        layer_hook: LayerHook | None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(
-            self.input_layernorm(hidden), rope, layer_cache, backend, metadata, plan, layer_hook
-        )
+    def forward(self, hidden: torch.Tensor, layer_cache: torch.Tensor,
+                step: StepInputs) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), layer_cache, step)
         # Residual adds into the sublayers' fresh outputs (same sums, no new buffers).
         hidden = attn.add_(hidden)
         return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
@@ -145,14 +141,14 @@ class CausalLM(nn.Module):
         ``layer_hook(i)`` fires right after layer i's K/V for the whole batch is in the cache.
         """
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions, hidden.dtype)
-        plan = self.attention_backend.prepare(
-            attn_metadata, kv_cache.shape[3], kv_cache.shape[4], hidden.dtype
-        )
+        backend = self.attention_backend
+        step = StepInputs(
+            rope=self.rotary.cos_sin(positions, hidden.dtype), backend=backend,
+            metadata=attn_metadata, layer_hook=layer_hook,
+            plan=backend.prepare(attn_metadata, kv_cache.shape[3], kv_cache.shape[4],
+                                 hidden.dtype))
         for i, layer in enumerate(self.layers):
-            hidden = layer(
-                hidden, rope, kv_cache[i], self.attention_backend, attn_metadata, plan, layer_hook
-            )
+            hidden = layer(hidden, kv_cache[i], step)
         return self.norm(hidden)
 
     def logits_weight(self) -> torch.Tensor:
