@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pdserve.engine.kv.layout import KVLayout, KVSlice
+from pdserve.engine.kv.layout import KVLayout, KVSlice, check_known_fields
 
 PROTOCOL_VERSION = 5
 
@@ -84,10 +84,7 @@ class HandoffTicket:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HandoffTicket:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown HandoffTicket fields {sorted(unknown)}")
+        check_known_fields(cls, data)
         values = dict(data)
         layout = values.get("layout")
         if not isinstance(layout, dict):

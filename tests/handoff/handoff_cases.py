@@ -52,6 +52,15 @@ def reserve(receiver: Agent, request_id: str, block_ids: list[int], layout: KVLa
                          num_tokens=max(1, tokens), timeout_s=timeout_s)
 
 
+def push_one(sender: Agent, ticket: dict[str, Any], src: list[int], first_token_id: int = 1,
+             layers_per_piece: int | None = None) -> dict[str, Any]:
+    """The sender pushes its blocks ``src`` into one reserved ``ticket``; its answer (the
+    transfer's ``handles`` and ``started_at``)."""
+    pieces = {} if layers_per_piece is None else {"layers_per_piece": layers_per_piece}
+    return sender.call("push", tickets=[ticket], block_ids=[src],
+                       first_token_id=first_token_id, **pieces)
+
+
 def check_deferred_free(receiver: Agent, sender: Agent, request_id: str,
                         pushed: dict[str, Any], delay: float, dst: list[int],
                         src: list[int]) -> None:

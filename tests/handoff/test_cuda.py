@@ -67,7 +67,7 @@ def test_device_head_ranges_split_to_and_merge_from_tp_ranks() -> None:
 def test_two_processes_on_one_gpu_move_cuda_kv_exactly_without_host_copies() -> None:
     pytest.importorskip("ucxx", reason="UCXX is not installed (benchmarks/gpu_carry.txt)")
     from tests.handoff.handoff_agent import running_agents
-    from tests.handoff.handoff_cases import CACHE_BLOCKS
+    from tests.handoff.handoff_cases import CACHE_BLOCKS, push_one
 
     with running_agents(None, None) as (receiver, sender):
         for agent, seed in ((receiver, 1), (sender, 2)):
@@ -79,8 +79,7 @@ def test_two_processes_on_one_gpu_move_cuda_kv_exactly_without_host_copies() -> 
         rng = random.Random(2)
         dst, src = rng.sample(range(CACHE_BLOCKS), 12), rng.sample(range(CACHE_BLOCKS), 12)
         ticket = receiver.call("reserve", request_id="gpu", block_ids=dst, num_tokens=190)
-        handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=9,
-                             layers_per_piece=1)["handles"][0]
+        handle = push_one(sender, ticket, src, 9, layers_per_piece=1)["handles"][0]
         ready = receiver.call("wait", request_id="gpu", timeout=60)
         assert ready["ok"] and ready["num_pieces"] == LAYOUT.num_layers, ready
         assert sender.call("result", handle=handle, timeout=60)["ok"]

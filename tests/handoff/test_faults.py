@@ -14,6 +14,7 @@ from tests.handoff.handoff_cases import (
     CACHE_BLOCKS,
     kill_sender_midstream,
     pick_blocks,
+    push_one,
     random_layout,
     reserve,
     setup_roles,
@@ -42,7 +43,7 @@ def test_sender_killed_midstream_fails_the_ticket_and_its_blocks_stay_clean(pair
         sender.call("make_cache", layout=layout.to_dict(), num_blocks=CACHE_BLOCKS, seed=3)
         sender.call("make_sender")
         ticket = reserve(receiver, "after-kill", dst, layout)
-        sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)
+        push_one(sender, ticket, src)
         assert receiver.call("wait", request_id="after-kill", timeout=20)["ok"]
         assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
     finally:
@@ -58,7 +59,7 @@ def test_receiver_killed_midstream_completes_the_sender_with_an_error(pair) -> N
     setup_roles(doomed, sender, layout, seed=29, receiver_faults={"recv_delay_s": 60.0})
     dst, src = pick_blocks(rng, 8), pick_blocks(rng, 8)
     ticket = reserve(doomed, "abandoned", dst, layout, timeout_s=30)
-    handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)["handles"][0]
+    handle = push_one(sender, ticket, src)["handles"][0]
     wait_for(lambda: doomed.call("receiver_stats")["num_receiving"] == 1, 10, "transfer begun")
     wait_for(lambda: sender.call("sender_stats")["staging"]["in_use_bytes"] > 0, 5, "sends")
     killed_at = sender.call("now")
@@ -79,8 +80,7 @@ def test_corrupted_payload_fails_with_a_digest_reason(pair) -> None:
     setup_roles(receiver, sender, layout, seed=31, sender_faults={"corrupt_piece": 1})
     dst, src = pick_blocks(rng, 5), pick_blocks(rng, 5)
     ticket = reserve(receiver, "corrupt", dst, layout)
-    handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
-                         layers_per_piece=1)["handles"][0]
+    handle = push_one(sender, ticket, src, layers_per_piece=1)["handles"][0]
     outcome = receiver.call("wait", request_id="corrupt", timeout=10)
     assert outcome["code"] == "digest" and "piece 1" in outcome["message"], outcome
     result = sender.call("result", handle=handle, timeout=10)
@@ -96,7 +96,7 @@ def test_mismatched_layout_is_refused_naming_the_field(pair) -> None:
     dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
     before = receiver.call("read", block_ids=dst)
     ticket = reserve(receiver, "layout", dst, layout)
-    handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)["handles"][0]
+    handle = push_one(sender, ticket, src)["handles"][0]
     outcome = receiver.call("wait", request_id="layout", timeout=10)
     assert outcome["code"] == "layout" and "head_dim" in outcome["message"], outcome
     result = sender.call("result", handle=handle, timeout=10)
@@ -115,8 +115,7 @@ def test_wrong_token_is_refused_and_nothing_is_written(pair) -> None:
         before = receiver.call("read", block_ids=dst)
         refused_before = receiver.call("receiver_stats")["num_refused_peers"]
         ticket = reserve(receiver, "intruder", dst, layout)
-        handle = intruder.call("push", tickets=[ticket], block_ids=[src],
-                               first_token_id=1)["handles"][0]
+        handle = push_one(intruder, ticket, src)["handles"][0]
         result = intruder.call("result", handle=handle, timeout=10)
         assert result["code"] == "auth", result
         assert receiver.call("receiver_stats")["num_refused_peers"] == refused_before + 1
@@ -134,7 +133,7 @@ def test_header_claiming_more_bytes_than_reserved_is_refused_without_allocating(
     dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
     baseline = receiver.call("receiver_stats")
     ticket = reserve(receiver, "liar", dst, layout)
-    sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1, layers_per_piece=1)
+    push_one(sender, ticket, src, layers_per_piece=1)
     outcome = receiver.call("wait", request_id="liar", timeout=10)
     assert outcome["code"] == "protocol" and "claims" in outcome["message"], outcome
     stats = receiver.call("receiver_stats")
@@ -151,8 +150,7 @@ def test_payload_larger_than_its_header_is_refused(pair) -> None:
     setup_roles(receiver, sender, layout, seed=45, sender_faults={"pad_piece_bytes": 4096})
     dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
     ticket = reserve(receiver, "oversized", dst, layout)
-    handle = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
-                         layers_per_piece=1)["handles"][0]
+    handle = push_one(sender, ticket, src, layers_per_piece=1)["handles"][0]
     outcome = receiver.call("wait", request_id="oversized", timeout=10)
     assert outcome["code"] == "protocol" and "more than the" in outcome["message"], outcome
     assert sender.call("result", handle=handle, timeout=10)["code"] == "protocol"
@@ -166,6 +164,6 @@ def test_receiver_keeps_serving_after_faults(pair) -> None:
     setup_roles(receiver, sender, layout, seed=47)
     dst, src = pick_blocks(rng, 3), pick_blocks(rng, 3)
     ticket = reserve(receiver, "after", dst, layout)
-    sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=5)
+    push_one(sender, ticket, src, first_token_id=5)
     assert receiver.call("wait", request_id="after", timeout=10)["ok"]
     assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)

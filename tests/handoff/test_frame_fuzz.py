@@ -16,6 +16,7 @@ from pdserve.handoff.wire import Kind, piece_entry
 from tests.handoff.handoff_cases import (
     CACHE_BLOCKS,
     pick_blocks,
+    push_one,
     random_layout,
     reserve,
     setup_roles,
@@ -77,6 +78,6 @@ def test_fuzzed_frames_never_crash_the_receiver_nor_write_outside_a_reservation(
     # The same processes still move KV exactly.
     dst, src = pick_blocks(rng, 3), pick_blocks(rng, 3)
     ticket = reserve(receiver, "after-fuzz", dst, LAYOUT)
-    sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=4)
+    push_one(sender, ticket, src, first_token_id=4)
     assert receiver.call("wait", request_id="after-fuzz", timeout=20)["ok"]
     assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from tests.handoff.handoff_agent import TEST_CONFIG, Agent, spawn_agents
-from tests.handoff.handoff_cases import pick_blocks, random_layout, reserve, setup_roles
+from tests.handoff.handoff_cases import pick_blocks, push_one, random_layout, reserve, setup_roles
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -42,7 +42,7 @@ def round_trip(receiver: Agent, sender: Agent, request_id: str) -> None:
     setup_roles(receiver, sender, layout, seed=5)
     dst, src = pick_blocks(rng, 3), pick_blocks(rng, 3)
     ticket = reserve(receiver, request_id, dst, layout)
-    sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=2)
+    push_one(sender, ticket, src, first_token_id=2)
     assert receiver.call("wait", request_id=request_id, timeout=20)["ok"]
     assert receiver.call("read", block_ids=dst) == sender.call("read", block_ids=src)
 

@@ -14,6 +14,7 @@ from tests.handoff.handoff_agent import Agent
 from tests.handoff.handoff_cases import (
     check_deferred_free,
     pick_blocks,
+    push_one,
     random_layout,
     reserve,
     setup_roles,
@@ -27,8 +28,7 @@ def _round_trip(receiver: Agent, sender: Agent, layout, rng: random.Random, requ
                 num_blocks: int, layers_per_piece: int | None) -> None:
     dst, src = pick_blocks(rng, num_blocks), pick_blocks(rng, num_blocks)
     ticket = reserve(receiver, request_id, dst, layout)
-    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=7,
-                         layers_per_piece=layers_per_piece)
+    pushed = push_one(sender, ticket, src, 7, layers_per_piece=layers_per_piece)
     ready = receiver.call("wait", request_id=request_id, timeout=20)
     assert ready["ok"], ready
     assert ready["first_token_id"] == 7
@@ -86,7 +86,7 @@ def test_head_ranges_of_one_block_arrive_as_separate_transfers_from_tp_ranks(pai
     ticket = receiver.call("reserve", request_id="r/h2", block_ids=dst, num_tokens=tokens,
                            kv_heads=[2, 4])
     assert ticket["expected_bytes"] == other["expected_bytes"] == 3 * 5 * layout.block_bytes // 2
-    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=3)
+    pushed = push_one(sender, ticket, src, first_token_id=3)
     assert receiver.call("wait", request_id="r/h2", timeout=20)["ok"]
     assert sender.call("result", handle=pushed["handles"][0], timeout=20)["ok"]
     assert (receiver.call("read", block_ids=dst, local_heads=[2, 4])
@@ -126,7 +126,7 @@ def test_deferred_free_waits_for_a_slow_receiver(pair) -> None:
     setup_roles(receiver, sender, layout, seed=13, receiver_faults={"recv_delay_s": delay})
     dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
     ticket = reserve(receiver, "slow", dst, layout)
-    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1)
+    pushed = push_one(sender, ticket, src)
     check_deferred_free(receiver, sender, "slow", pushed, delay, dst, src)
 
 
@@ -158,8 +158,7 @@ def test_cancel_during_transfer_stops_all_writes(pair) -> None:
     setup_roles(receiver, sender, layout, seed=19, receiver_faults={"recv_delay_s": 1.0})
     dst, src = pick_blocks(rng, 5), pick_blocks(rng, 5)
     ticket = reserve(receiver, "mid", dst, layout)
-    pushed = sender.call("push", tickets=[ticket], block_ids=[src], first_token_id=1,
-                         layers_per_piece=1)
+    pushed = push_one(sender, ticket, src, layers_per_piece=1)
     time.sleep(0.5)  # every piece is announced; its buffer is posted only after the delay
     assert receiver.call("cancel", request_id="mid")
     after_cancel = receiver.call("read", block_ids=dst)

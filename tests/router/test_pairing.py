@@ -3,6 +3,8 @@ prefix_affinity), KV headroom for decode; the prefix index and placement over it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdserve.engine.kv.block_hash import hash_full_blocks
 from pdserve.engine.kv.events import EventKind, Tier
 from pdserve.planes.kv_event_wire import WorkerIdentity
@@ -62,14 +64,23 @@ def test_index_events_apply_in_order_and_a_gap_drops_the_replica() -> None:
     index.check_integrity()
 
 
-def test_placement_ranks_by_the_engines_own_hashes() -> None:
+def _placement(role: str, prompt: list[int],
+               holds: Callable[[list[bytes]], dict[str, dict[Tier, list[bytes]]]],
+               ) -> PrefixPlacement:
+    """A placement whose ``role`` feed followed each replica's snapshot: ``holds(chain)``
+    names, per replica, the prompt's block hashes (block size 16) it holds in each tier."""
     placement = PrefixPlacement("token-0123456789abcdef", 16)
-    feed = placement.feeds["prefill"]
-    prompt = list(range(64))
-    chain = hash_full_blocks(prompt, 16, "salt")
-    for rid, blocks in (("warm", chain[:3]), ("cold", [])):
+    feed = placement.feeds[role]
+    for rid, tiers in holds(hash_full_blocks(prompt, 16, "salt")).items():
         feed.identities[rid] = WorkerIdentity(rid, "L", "salt", 16)
-        feed.index.reset(rid, "L", 0, {Tier.DEVICE: blocks})
+        feed.index.reset(rid, "L", 0, tiers)
+    return placement
+
+
+def test_placement_ranks_by_the_engines_own_hashes() -> None:
+    prompt = list(range(64))
+    placement = _placement("prefill", prompt, lambda chain: {
+        "warm": {Tier.DEVICE: chain[:3]}, "cold": {Tier.DEVICE: []}})
     load = WorkerLoad(num_blocks=8, num_free_blocks=8, num_running=0, num_waiting=0)
     placed = placement.rank("prefill", prompt, [("cold", load), ("warm", load)])
     assert placed.ranking == ("warm", "cold")
@@ -77,13 +88,9 @@ def test_placement_ranks_by_the_engines_own_hashes() -> None:
 
 
 def test_a_decode_prefix_holder_keeps_a_repeat_unless_far_busier() -> None:
-    placement = PrefixPlacement("token-0123456789abcdef", 16)
-    feed = placement.feeds["decode"]
     prompt = list(range(64))
-    chain = hash_full_blocks(prompt, 16, "salt")
-    for rid, blocks in (("holder", chain[:3]), ("other", [])):
-        feed.identities[rid] = WorkerIdentity(rid, "L", "salt", 16)
-        feed.index.reset(rid, "L", 0, {Tier.DEVICE: blocks})
+    placement = _placement("decode", prompt, lambda chain: {
+        "holder": {Tier.DEVICE: chain[:3]}, "other": {Tier.DEVICE: []}})
 
     def load(waiting: int) -> WorkerLoad:
         return WorkerLoad(num_blocks=8, num_free_blocks=8, num_running=0, num_waiting=waiting)
@@ -105,16 +112,12 @@ def test_headroom_ranks_free_kv_first_within_band() -> None:
 
 
 def test_peer_prefixes_name_the_replicas_whose_device_or_host_holds_the_prompt() -> None:
-    placement = PrefixPlacement("token-0123456789abcdef", 16)
-    feed = placement.feeds["prefill"]
     prompt = list(range(80))
-    chain = hash_full_blocks(prompt, 16, "salt")
-    for rid, tiers in (("long", {Tier.DEVICE: chain[:4]}), ("short", {Tier.DEVICE: chain[:1]}),
-                       ("host-only", {Tier.HOST: chain[:3]}),
-                       ("split", {Tier.DEVICE: chain[:1], Tier.HOST: chain[1:2]}),
-                       ("gap", {Tier.HOST: chain[1:4]}), ("cold", {})):
-        feed.identities[rid] = WorkerIdentity(rid, "L", "salt", 16)
-        feed.index.reset(rid, "L", 0, tiers)
+    placement = _placement("prefill", prompt, lambda chain: {
+        "long": {Tier.DEVICE: chain[:4]}, "short": {Tier.DEVICE: chain[:1]},
+        "host-only": {Tier.HOST: chain[:3]},
+        "split": {Tier.DEVICE: chain[:1], Tier.HOST: chain[1:2]},
+        "gap": {Tier.HOST: chain[1:4]}, "cold": {}})
     held = placement.peer_prefixes(
         prompt, ["cold", "short", "long", "host-only", "split", "gap", "unknown"])
     # Only a run from the first block counts, across the tiers; a run after a gap is nothing.

@@ -135,10 +135,7 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ValueError(f"unknown KVLayout fields {sorted(unknown)}")
+        check_known_fields(cls, data)
         return cls(**data)
 
     def check_matches(self, other: KVLayout) -> None:
@@ -232,3 +229,11 @@ class KVSlice:
     def block_bytes(self) -> int:
         """Bytes of one block of one layer, K and V together."""
         return 2 * self.block_elements * self.element_size
+
+
+def check_known_fields(record: type, data: dict[str, Any]) -> None:
+    """A record's dict from another process names only the record's fields (a peer running
+    other code says so at once, not as a wrong value later)."""
+    unknown = set(data) - {f.name for f in fields(record)}
+    if unknown:
+        raise ValueError(f"unknown {record.__name__} fields {sorted(unknown)}")
