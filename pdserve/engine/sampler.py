@@ -1,7 +1,11 @@
 """Turns one logits row per sampling request into a token: greedy, or temperature/top-k/top-p.
 
 A random row inverts its distribution's CDF at its own uniform (`random_draws`: a function of
-the request's seed and the output index), so a seed reproduces in any batch, on either role.
+the request's seed and the output index), so a seed draws the same uniforms in any batch, on
+either role. The logits it inverts can differ in the last float bits with the batch around the
+row (padded decode groups, prefill chunks in the same step); a uniform within that of a
+boundary between two tokens then takes the neighbouring token, and the texts part there
+(measured, tiny model on CPU, arrivals staggered: 2 of 1,800 twelve-token choices).
 """
 
 from __future__ import annotations
