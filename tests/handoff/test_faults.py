@@ -73,15 +73,23 @@ def test_receiver_killed_midstream_completes_the_sender_with_an_error(pair) -> N
     assert result["released_at"] - killed_at < 1.0  # its process is gone: no silence TTL
 
 
+def _push_faulty(receiver, sender, request_id: str, dtype: str, num_layers: int,
+                 num_blocks: int, seed: int, faults: dict[str, int]) -> tuple[dict, int]:
+    """One transfer, a piece per layer, from a sender with ``faults``: the receiver's
+    outcome and the sender's handle."""
+    rng = random.Random(request_id)
+    layout = random_layout(rng, dtype, num_layers=num_layers)
+    setup_roles(receiver, sender, layout, seed=seed, sender_faults=faults)
+    dst, src = pick_blocks(rng, num_blocks), pick_blocks(rng, num_blocks)
+    ticket = reserve(receiver, request_id, dst, layout)
+    handle = push_one(sender, ticket, src, layers_per_piece=1)["handles"][0]
+    return receiver.call("wait", request_id=request_id, timeout=10), handle
+
+
 def test_corrupted_payload_fails_with_a_digest_reason(pair) -> None:
     receiver, sender = pair
-    rng = random.Random("corrupt")
-    layout = random_layout(rng, "bfloat16", num_layers=4)
-    setup_roles(receiver, sender, layout, seed=31, sender_faults={"corrupt_piece": 1})
-    dst, src = pick_blocks(rng, 5), pick_blocks(rng, 5)
-    ticket = reserve(receiver, "corrupt", dst, layout)
-    handle = push_one(sender, ticket, src, layers_per_piece=1)["handles"][0]
-    outcome = receiver.call("wait", request_id="corrupt", timeout=10)
+    outcome, handle = _push_faulty(receiver, sender, "corrupt", "bfloat16", 4, 5, 31,
+                                   {"corrupt_piece": 1})
     assert outcome["code"] == "digest" and "piece 1" in outcome["message"], outcome
     result = sender.call("result", handle=handle, timeout=10)
     assert result["code"] == "digest", result  # the sender learns the receiver's verdict
@@ -145,13 +153,8 @@ def test_header_claiming_more_bytes_than_reserved_is_refused_without_allocating(
 
 def test_payload_larger_than_its_header_is_refused(pair) -> None:
     receiver, sender = pair
-    rng = random.Random("oversized")
-    layout = random_layout(rng, "float16", num_layers=3)
-    setup_roles(receiver, sender, layout, seed=45, sender_faults={"pad_piece_bytes": 4096})
-    dst, src = pick_blocks(rng, 4), pick_blocks(rng, 4)
-    ticket = reserve(receiver, "oversized", dst, layout)
-    handle = push_one(sender, ticket, src, layers_per_piece=1)["handles"][0]
-    outcome = receiver.call("wait", request_id="oversized", timeout=10)
+    outcome, handle = _push_faulty(receiver, sender, "oversized", "float16", 3, 4, 45,
+                                   {"pad_piece_bytes": 4096})
     assert outcome["code"] == "protocol" and "more than the" in outcome["message"], outcome
     assert sender.call("result", handle=handle, timeout=10)["code"] == "protocol"
 
