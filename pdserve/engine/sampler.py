@@ -5,7 +5,8 @@ the request's seed and the output index), so a seed draws the same uniforms in a
 either role. The logits it inverts can differ in the last float bits with the batch around the
 row (padded decode groups, prefill chunks in the same step); a uniform within that of a
 boundary between two tokens then takes the neighbouring token, and the texts part there
-(measured, tiny model on CPU, arrivals staggered: 2 of 1,800 twelve-token choices).
+(`benchmarks/seed_stability.py`, tiny model on CPU, arrivals staggered: 3 of 1,800
+twelve-token choices, each 1 to 3 token ids from the draw of the same choices started together).
 """
 
 from __future__ import annotations
