@@ -169,6 +169,7 @@ def offline_steps(path: Path, seed: int, threads: int) -> dict[str, Any]:
     import torch
 
     from pdserve.cluster.config import PdserveConfig
+    from pdserve.cluster.wiring import wire
     from pdserve.engine.engine import LLMEngine
 
     torch.set_num_threads(threads)
@@ -176,7 +177,7 @@ def offline_steps(path: Path, seed: int, threads: int) -> dict[str, Any]:
     os.sched_setaffinity(0, {DECODE_CORE} if threads == 1 else {PREFILL_CORE, DECODE_CORE})
     try:
         cfg = PdserveConfig.model_validate(pdserve_config(path, "disaggregated", 8000))
-        engine = LLMEngine(cfg.to_engine_config(str(path)))
+        engine = LLMEngine(wire(cfg).engine)
         run_offline(engine, prompts(2, 8, seed), None)
         out = {}
         shapes = {"idle": ([r for r in prompts(1, IDLE_OUT, seed)], 1)} | {

@@ -28,6 +28,7 @@ from _proc_cpu import ENGINE_THREAD, busiest_threads
 from pdserve.bench.arrivals import arrival_times
 from pdserve.bench.workloads import PromptSpec
 from pdserve.cluster.config import PdserveConfig
+from pdserve.cluster.wiring import wire
 
 NUM_SPECIAL_TOKENS = 3  # ids 0..2 are the generator's special tokens; prompts avoid them
 MODEL_NAME = "m"
@@ -105,7 +106,7 @@ def offline_runs(cfg: PdserveConfig, path: Path, threads: int, shapes: list[Shap
     all_cores = os.sched_getaffinity(0)
     if pinned:
         os.sched_setaffinity(0, {DECODE_CORE})
-    engine = LLMEngine(cfg.to_engine_config(str(path)))
+    engine = LLMEngine(wire(cfg).engine)
     engine.generate([list(range(NUM_SPECIAL_TOKENS, NUM_SPECIAL_TOKENS + 32))],
                     SamplingParams(max_tokens=4, temperature=0.0))
     results = {}

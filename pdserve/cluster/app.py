@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import logging
-import secrets
 from typing import Any
 
 from ray import serve
@@ -14,13 +13,12 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from pdserve.cluster.config import PdserveConfig, load_config, parse_config
-from pdserve.cluster.model_source import resolve_model_path
 from pdserve.cluster.serve_config import role_autoscaling
 from pdserve.cluster.serve_context import ServeReplicaContext
+from pdserve.cluster.wiring import Wiring, wire
 from pdserve.decode.worker import DecodeWorker
 from pdserve.engine.kv.cache import max_model_len_for
-from pdserve.engine.model_config import ModelConfig
-from pdserve.handoff.config import MAX_PIECE_BYTES, HandoffConfig
+from pdserve.handoff.config import HandoffConfig
 from pdserve.prefill.worker import PrefillWorker
 from pdserve.ranks import RankSettings
 from pdserve.router.http_guard import HttpGuardSettings
@@ -30,22 +28,6 @@ from pdserve.router.prefill_load import LocalPrefillPolicy
 from pdserve.router.stalls import StallSettings
 
 logger = logging.getLogger(__name__)
-
-
-def cluster_token(cfg: PdserveConfig) -> str:
-    """The secret the workers and the ingress prove to each other on the KV handoff and the
-    token plane: the configured one, else a random one per application."""
-    return cfg.resolve_auth_token() or secrets.token_hex(16)
-
-
-def handoff_config(cfg: PdserveConfig, token: str, model_path: str) -> HandoffConfig:
-    staging = cfg.staging_bytes(model_path)
-    return HandoffConfig(
-        auth_token=token, timeout_s=cfg.handoff.timeout_s,
-        sender_staging_bytes=staging, receiver_staging_bytes=staging,
-        max_piece_bytes=min(MAX_PIECE_BYTES, staging),
-        net_devices=cfg.handoff.net_devices, ucx_transports=cfg.handoff.ucx_transports,
-    )
 
 
 # How often Serve asks each worker for its load (`record_routing_stats`); the role's request
@@ -110,35 +92,35 @@ def rank_settings(cfg: PdserveConfig, role: str,
 
 
 def build_from_config(cfg: PdserveConfig) -> Application:
-    model_path = resolve_model_path(cfg)
+    wiring = wire(cfg)
     print(cfg.replica_plan().summary())
-    token = cluster_token(cfg)
-    handoff = handoff_config(cfg, token, model_path) if cfg.mode == "disaggregated" else None
-    return build_application(cfg, model_path, handoff, handoff, token)
+    return build_application(cfg, wiring)
 
 
-def build_application(cfg: PdserveConfig, model_path: str, decode_handoff: HandoffConfig | None,
-                      prefill_handoff: HandoffConfig | None, token: str) -> Application:
-    """The wiring itself, with each role's handoff settings given (tests give them apart)."""
-    model = ModelConfig.from_checkpoint(model_path)
-    cfg.check_parallelism(model)
-    engine_config = cfg.to_engine_config(model_path)
+def build_application(cfg: PdserveConfig, wiring: Wiring,
+                      prefill_handoff: HandoffConfig | None = None) -> Application:
+    """The deployments of one start; ``prefill_handoff`` replaces the prefill role's handoff
+    settings (tests give the roles different ones)."""
+    engine_config, token = wiring.engine, wiring.token
     # The worker fills in its own address.
     kv_store = cfg.kv_store.client_settings("") if cfg.kv_store.enabled else None
-    max_model_len = max_model_len_for(model, cfg.model.max_model_len)
+    max_model_len = max_model_len_for(wiring.model, cfg.model.max_model_len)
     prefill_role = cfg.role_configs().get("prefill")
     prefill_tp = prefill_role.tensor_parallel_size if prefill_role is not None else 1
+    decode_handoff = wiring.handoff
     decode = serve.deployment(DecodeWorker, **_deployment_options(cfg, "decode")).bind(
         engine_config, decode_handoff, token, cfg.handoff.reserve_timeout_s, node_ip, kv_store,
         rank_settings(cfg, "decode", decode_handoff), prefill_tp)
     prefill = None
     if cfg.mode == "disaggregated":
+        prefill_handoff = prefill_handoff or wiring.handoff
         options = _deployment_options(cfg, "prefill")
         prefill = serve.deployment(PrefillWorker, **options).bind(
             engine_config, prefill_handoff, cfg.handoff.drain_timeout_s, node_ip, kv_store,
             rank_settings(cfg, "prefill", prefill_handoff), ServeReplicaContext(options["name"]))
     settings = IngressSettings(
-        model_path=model_path, served_model_name=cfg.model_name(), max_model_len=max_model_len,
+        model_path=wiring.model_path, served_model_name=cfg.model_name(),
+        max_model_len=max_model_len,
         max_in_flight_requests=cfg.router.max_in_flight_requests,
         request_timeout_s=cfg.router.request_timeout_s,
         pipeline=PipelineSettings(

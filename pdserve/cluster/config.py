@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib.resources
 import os
-import secrets
-import tempfile
 from collections.abc import Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
@@ -34,17 +32,13 @@ from pdserve.cluster.config_sections import (
     ModelSection,
     RouterSection,
     Section,
-    default_staging_bytes,
     kv_tier_problems,
 )
 from pdserve.cluster.http_section import HttpSection, check_api_key
 from pdserve.cluster.kv_store_section import KVStoreSection
 from pdserve.cluster.role_sections import Role, Roles
-from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.parallel.shard import TPSplitError, check_tp_fits
 
 if TYPE_CHECKING:
-    from pdserve.engine.cpu_affinity import CpuAffinity
     from pdserve.engine.engine_config import EngineConfig
 
 DEFAULT_CONFIG_NAME = "local.yaml"
@@ -138,49 +132,6 @@ class PdserveConfig(Section):
         prefill = roles["prefill"].replica_resources()
         return derive_replicas(capacity.ratio, total, resource, prefill, decode,
                                allow_unused=capacity.allow_unused)
-
-    def to_engine_config(self, model_path: str) -> EngineConfig:
-        """The engine settings of one worker, given the (resolved or generated) checkpoint."""
-        staging = self.staging_bytes(model_path) if self.mode == "disaggregated" else 0
-        share = self.role_configs()["decode"].resources.device_share()
-        return self.engine.to_engine_config(self.model, model_path, staging,
-                                            self._cpu_affinity(), device_share=share)
-
-    def check_parallelism(self, model: ModelConfig) -> None:
-        """Raise `ConfigError` for a role's tensor_parallel_size that ``model`` cannot be split
-        by (naming each count that does not divide)."""
-        problems = []
-        for name, role in self.role_configs().items():
-            key, size = f"roles.{name}.tensor_parallel_size", role.tensor_parallel_size
-            try:
-                check_tp_fits(model, size, "degree")
-            except TPSplitError as exc:
-                problems.append(f"{key}: {exc}; choose a degree that divides them")
-        if problems:
-            raise ConfigError(problems)
-
-    def staging_bytes(self, model_path: str) -> int:
-        """Each worker's handoff staging (sender and receiver alike) in bytes:
-        handoff.staging_buffer_mb, else one engine step's KV of the checkpoint's model."""
-        if self.handoff.staging_buffer_mb is not None:
-            return int(self.handoff.staging_buffer_mb * (1 << 20))
-        from pdserve.engine.kv.cache import kv_bytes_per_token  # imports torch: only when wiring
-
-        gpus = [role.resources.num_gpus for role in self.role_configs().values()]
-        per_token = kv_bytes_per_token(ModelConfig.from_checkpoint(model_path),
-                                       self.model.wiring_dtype(self.engine.device, gpus))
-        return default_staging_bytes(per_token, self.engine.max_num_batched_tokens)
-
-    def _cpu_affinity(self) -> CpuAffinity | None:
-        """The core sets of engine.cpu_affinity, with a claim directory of this application
-        start's own (replicas of another start never wait for these claims)."""
-        from pdserve.engine.cpu_affinity import CpuAffinity
-
-        sets = self.engine.core_sets()
-        if not sets:
-            return None
-        claim_dir = Path(tempfile.gettempdir()) / "pdserve-cpu-claims" / secrets.token_hex(8)
-        return CpuAffinity(tuple((role, tuple(s)) for role, s in sets.items()), str(claim_dir))
 
     def model_name(self) -> str:
         """The name clients must send as ``model``."""

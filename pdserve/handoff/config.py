@@ -19,7 +19,7 @@ class HandoffConfig:
     """Knobs of one process's handoff transport (sender and receiver roles alike).
 
     The first group comes from the config schema (`cluster/config_sections.HandoffSection`
-    holds their defaults and checks; `cluster/app.handoff_config` fills them in); the rest
+    holds their defaults and checks; `cluster/wiring.handoff_config` fills them in); the rest
     are the transport's own tuning, defaulted here only.
 
     ``auth_token`` is the cluster's shared secret: peers prove they know it (HMAC challenge,

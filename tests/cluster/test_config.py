@@ -279,9 +279,11 @@ def test_served_model_name_defaults() -> None:
 
 
 def test_engine_config_carries_the_settings(tiny_checkpoints: dict[str, str]) -> None:
+    from pdserve.cluster.wiring import engine_settings
+
     cfg = load_config(None)
     path = tiny_checkpoints["llama"]
-    engine = cfg.to_engine_config(path)
+    engine = engine_settings(cfg, path, 0)
     assert (engine.model_path, engine.block_size, engine.num_kv_blocks, engine.device) == \
         (path, 16, 512, "cpu")
     assert engine.max_num_batched_tokens == cfg.engine.max_num_batched_tokens
@@ -290,10 +292,10 @@ def test_engine_config_carries_the_settings(tiny_checkpoints: dict[str, str]) ->
 
 
 def test_handoff_settings_reach_the_workers_handoff_config() -> None:
-    from pdserve.cluster.app import handoff_config
+    from pdserve.cluster.wiring import handoff_config, staging_bytes
 
     cfg = parse_config(config_with(handoff__staging_buffer_mb=8, handoff__timeout_s=7))
-    built = handoff_config(cfg, "a-cluster-token-0123456789", "/no/checkpoint")
+    built = handoff_config(cfg, "a-cluster-token-0123456789", staging_bytes(cfg, None))
     assert built.sender_staging_bytes == built.receiver_staging_bytes == 8 << 20
     assert built.max_piece_bytes == 8 << 20 and built.timeout_s == 7
     # One data path: no key turns on a same-host read.

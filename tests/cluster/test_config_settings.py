@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.app import PREFILL_SHUTDOWN_MARGIN_S, _deployment_options, handoff_config
+from pdserve.cluster.app import PREFILL_SHUTDOWN_MARGIN_S, _deployment_options
 from pdserve.cluster.config import ConfigError, engine_config, parse_config
 from pdserve.cluster.config_sections import (
     DEFAULT_KV_CACHE_MEMORY_GB,
     EngineSection,
     RouterSection,
 )
+from pdserve.cluster.wiring import handoff_config
 from pdserve.engine.model_presets import SIZES
 from pdserve.router.admission import LIMIT_KEY, AdmissionGate
 from pdserve.router.errors import OverloadedError
@@ -57,7 +58,7 @@ def test_an_engine_outside_a_served_config_takes_the_schema_defaults() -> None:
 def test_each_timeout_bounds_its_own_wait(tiny_checkpoints: dict[str, str]) -> None:
     cfg = parse_config(config_with(handoff={"timeout_s": 7.0, "reserve_timeout_s": 3.0,
                                             "drain_timeout_s": 11.0}))
-    built = handoff_config(cfg, "a-cluster-token-0123456789", tiny_checkpoints["llama"])
+    built = handoff_config(cfg, "a-cluster-token-0123456789", 8 << 20)
     assert built.timeout_s == 7.0
     assert _deployment_options(cfg, "prefill")["graceful_shutdown_timeout_s"] == \
         11.0 + PREFILL_SHUTDOWN_MARGIN_S

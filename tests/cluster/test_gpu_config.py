@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster.app import handoff_config
 from pdserve.cluster.config import ConfigError, load_config, parse_config
 from pdserve.cluster.config_sections import MIN_STAGING_BYTES, default_staging_bytes
+from pdserve.cluster.wiring import engine_settings, handoff_config, staging_bytes, wire
 from pdserve.engine.kv.cache import kv_bytes_per_token
 from pdserve.engine.model_config import ModelConfig
 from tests.cluster.test_config import config_with
@@ -38,28 +38,31 @@ def test_the_staging_default_is_one_steps_kv_with_a_floor() -> None:
 def test_staging_defaults_to_the_models_step_and_colocated_has_none(
         tiny_checkpoints: dict[str, str]) -> None:
     path = tiny_checkpoints["llama"]
-    cfg = parse_config(config_with(handoff__staging_buffer_mb=None,
+    cfg = parse_config(config_with(model={"path": path}, handoff__staging_buffer_mb=None,
                                    engine__max_num_batched_tokens=4096))
     step_kv = kv_bytes_per_token(ModelConfig.from_checkpoint(path), "float32") * 4096
     assert step_kv > MIN_STAGING_BYTES  # else the floor, not the model, would decide
-    engine = cfg.to_engine_config(path)
-    assert engine.handoff_staging_bytes == step_kv
-    built = handoff_config(cfg, TOKEN, path)
-    assert built.sender_staging_bytes == built.receiver_staging_bytes == step_kv
-    colocated = parse_config(config_with(mode="colocated", roles__prefill=None,
-                                         handoff__staging_buffer_mb=None))
-    assert colocated.to_engine_config(path).handoff_staging_bytes == 0
+    wiring = wire(cfg)
+    assert wiring.engine.handoff_staging_bytes == step_kv
+    assert wiring.handoff is not None
+    assert wiring.handoff.sender_staging_bytes == wiring.handoff.receiver_staging_bytes == step_kv
+    colocated = wire(parse_config(config_with(model={"path": path}, mode="colocated",
+                                              roles__prefill=None,
+                                              handoff__staging_buffer_mb=None)))
+    assert colocated.engine.handoff_staging_bytes == 0 and colocated.handoff is None
     small = parse_config(config_with(handoff__staging_buffer_mb=0.25))
-    assert small.to_engine_config("/no/checkpoint").handoff_staging_bytes == 256 << 10
-    assert handoff_config(small, TOKEN, "/no/checkpoint").max_piece_bytes == 256 << 10
+    assert staging_bytes(small, None) == 256 << 10
+    assert handoff_config(small, TOKEN, staging_bytes(small, None)).max_piece_bytes == 256 << 10
+    with pytest.raises(ValueError, match="sized from the model"):
+        staging_bytes(parse_config(config_with(handoff__staging_buffer_mb=None)), None)
 
 
 def test_the_kv_cache_is_sized_from_the_gpu_unless_a_size_is_given() -> None:
     measured = parse_config(config_with(handoff__staging_buffer_mb=1))
-    assert measured.to_engine_config("/m").gpu_memory_utilization == 0.9
+    assert engine_settings(measured, "/m", 0).gpu_memory_utilization == 0.9
     for size in ({"num_kv_blocks": 8}, {"kv_cache_memory_gb": 2.0}):
         sized = parse_config(config_with(handoff__staging_buffer_mb=1, engine=size))
-        assert sized.to_engine_config("/m").gpu_memory_utilization is None
+        assert engine_settings(sized, "/m", 0).gpu_memory_utilization is None
 
 
 def test_the_gpu_example_asks_for_one_gpu_per_replica_and_sizes_kv_from_the_gpu() -> None:
@@ -93,7 +96,7 @@ def test_dtype_auto_is_half_precision_on_cuda_and_float32_on_cpu(
                                       roles__decode__resources__num_gpus=1,
                                       roles__prefill__resources__num_gpus=1))
     assert on_gpu.model.wiring_dtype(on_gpu.engine.device, [1.0]) == "bfloat16"
-    assert on_gpu.to_engine_config(path).handoff_staging_bytes == max(
+    assert staging_bytes(on_gpu, ModelConfig.from_checkpoint(path)) == max(
         MIN_STAGING_BYTES, per_token * 4096)
     assert parse_config(config_with()).model.wiring_dtype("auto", [0.0, 0.0]) == "float32"
 
@@ -102,7 +105,7 @@ def test_colocated_fractional_gpus_become_the_engine_share() -> None:
     colocated = parse_config(config_with(mode="colocated", roles__prefill=None,
                                          roles__decode__resources__num_gpus=0.5,
                                          handoff__staging_buffer_mb=None))
-    assert colocated.to_engine_config("/m").device_share == 0.5
+    assert engine_settings(colocated, "/m", 0).device_share == 0.5
     whole = parse_config(config_with(roles__decode__resources__num_gpus=1,
                                      handoff__staging_buffer_mb=1))
-    assert whole.to_engine_config("/m").device_share == 1.0
+    assert engine_settings(whole, "/m", 0).device_share == 1.0

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.cluster.app import handoff_config
 from pdserve.cluster.config import parse_config
+from pdserve.cluster.wiring import handoff_config, staging_bytes, wire
 from tests.cluster.test_config import config_with, problems_of
 
 TOKEN = "a-cluster-token-0123456789"
@@ -16,7 +16,7 @@ TOKEN = "a-cluster-token-0123456789"
 def ucx_options(**handoff: str) -> dict[str, str]:
     # An explicit staging size: the default one is read from a checkpoint.
     cfg = parse_config(config_with(handoff={"staging_buffer_mb": 8, **handoff}))
-    return handoff_config(cfg, TOKEN, "/no/checkpoint").ucx_options()
+    return handoff_config(cfg, TOKEN, staging_bytes(cfg, None)).ucx_options()
 
 
 def test_ucx_transports_default_to_every_transport_but_cma() -> None:
@@ -50,8 +50,8 @@ def test_the_ingress_is_placed_like_the_roles(tiny_checkpoints: dict[str, str]) 
     [problem] = problems_of(config_with(router={"custom_resources": {"pd_head": 0}}))
     assert problem.startswith("router.custom_resources.pd_head: Input should be greater than 0")
     path = tiny_checkpoints["llama"]
-    app = build_application(cfg.model_copy(update={"model": cfg.model.model_copy(
-        update={"path": path})}), path, None, None, TOKEN)
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": path})})
+    app = build_application(cfg, wire(cfg))
     ingress = app._bound_deployment
     assert ingress.name == "ingress"
     assert ingress.ray_actor_options["resources"] == {"pd_head": 1}

@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.cluster.capacity import CapacityError, check_fits_cluster
 from pdserve.cluster.config import ConfigError, parse_config
+from pdserve.cluster.wiring import check_parallelism
 from pdserve.engine.model_config import ModelConfig
 from tests.cluster.test_config import config_with
 
@@ -44,24 +45,24 @@ def test_a_degree_below_one_is_refused() -> None:
 def test_degrees_the_model_cannot_split_by_are_refused_naming_the_count(
         tiny_checkpoints: dict[str, str]) -> None:
     model = ModelConfig.from_checkpoint(tiny_checkpoints["llama"])
-    parse_config(config_with()).check_parallelism(model)
+    check_parallelism(parse_config(config_with()), model)
     wide = dataclasses.replace(model, num_heads=12, num_kv_heads=4)
     cfg = parse_config(config_with(roles__prefill__tensor_parallel_size=3))
     with pytest.raises(ConfigError, match=r"roles.prefill.tensor_parallel_size: degree 3 does "
                                           r"not split this model: num_key_value_heads 4 neither"):
-        cfg.check_parallelism(wide)
+        check_parallelism(cfg, wide)
 
 
 def test_prefill_and_decode_replicas_of_several_ranks_are_served(
         tiny_checkpoints: dict[str, str]) -> None:
     model = ModelConfig.from_checkpoint(tiny_checkpoints["llama"])
-    parse_config(config_with(roles__prefill__tensor_parallel_size=2)).check_parallelism(model)
-    parse_config(config_with(roles__prefill__tensor_parallel_size=2,
-                             roles__decode__tensor_parallel_size=2)).check_parallelism(model)
+    check_parallelism(parse_config(config_with(roles__prefill__tensor_parallel_size=2)), model)
+    check_parallelism(parse_config(config_with(roles__prefill__tensor_parallel_size=2,
+                             roles__decode__tensor_parallel_size=2)), model)
     colocated = parse_config(config_with(mode="colocated", roles__prefill=None,
                                          roles__capacity=None,
                                          roles__decode__tensor_parallel_size=2))
-    colocated.check_parallelism(model)
+    check_parallelism(colocated, model)
 
 
 def test_a_replica_of_several_ranks_is_a_placement_group_with_a_bundle_per_rank() -> None:

@@ -6,7 +6,7 @@ worker's receiver refuses its link and the reservation fails at its deadline.
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import httpx
@@ -15,6 +15,7 @@ import pytest
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from tests.support.failing_handoff import failing_handoff_app
 
 if TYPE_CHECKING:
     from tests.support.ray_serve import ServedApps
@@ -26,19 +27,9 @@ PROMPTS = ["Tell me about the weather in spring and the birds that return. " * 2
 
 
 @pytest.fixture(scope="module")
-def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> str:
-    from pdserve.cluster.app import build_application, handoff_config
-    from pdserve.cluster.config import parse_config
-    from tests.support.ray_serve import app_config
-
-    cfg = parse_config(app_config(tiny_checkpoints["llama"], "disaggregated"), source="fallback")
-    token = cfg.resolve_auth_token()
-    good = dataclasses.replace(handoff_config(cfg, token, tiny_checkpoints["llama"]),
-                               timeout_s=3.0)
-    wrong = dataclasses.replace(good, auth_token="a-different-cluster-token-987654")
-    app = build_application(cfg, tiny_checkpoints["llama"], good, wrong, token)
-    yield served_apps.run_app("fallback", app)
-    served_apps.launcher.remove("fallback")
+def fallback_app(served_apps: ServedApps, tiny_checkpoints: dict[str, str]) -> Iterator[str]:
+    with failing_handoff_app(served_apps, tiny_checkpoints["llama"], "fallback") as url:
+        yield url
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

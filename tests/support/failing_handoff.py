@@ -15,14 +15,17 @@ from tests.support.ray_serve import ServedApps, app_config
 def failing_handoff_app(apps: ServedApps, model_path: str, name: str,
                         timeout_s: float = 3.0) -> Iterator[str]:
     """Run the app at /NAME for the with-block (handoffs fail after ``timeout_s``); its URL."""
-    from pdserve.cluster.app import build_application, handoff_config
+    from pdserve.cluster.app import build_application
     from pdserve.cluster.config import parse_config
+    from pdserve.cluster.wiring import wire
 
     cfg = parse_config(app_config(model_path, "disaggregated"), source=name)
-    token = cfg.resolve_auth_token()
-    good = dataclasses.replace(handoff_config(cfg, token, model_path), timeout_s=timeout_s)
+    wiring = wire(cfg)
+    assert wiring.handoff is not None
+    good = dataclasses.replace(wiring.handoff, timeout_s=timeout_s)
     wrong = dataclasses.replace(good, auth_token="a-different-cluster-token-987654")
+    app = build_application(cfg, dataclasses.replace(wiring, handoff=good), prefill_handoff=wrong)
     try:
-        yield apps.run_app(name, build_application(cfg, model_path, good, wrong, token))
+        yield apps.run_app(name, app)
     finally:
         apps.launcher.remove(name)
