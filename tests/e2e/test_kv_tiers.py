@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -16,10 +15,9 @@ import pytest
 
 from tests.support.kv_serving import (
     ask_each_twice,
-    greedy_completer,
     host_gb,
-    random_documents,
     settled,
+    tiny_fixtures,
 )
 from tests.support.metrics import metric_value
 from tests.support.processes import replica_pids
@@ -47,15 +45,7 @@ def tiered(path: str, mode: str) -> dict[str, Any]:
     return raw
 
 
-@pytest.fixture(scope="module")
-def documents(tiny_checkpoints: dict[str, str]) -> list[list[int]]:
-    return random_documents(tiny_checkpoints["llama"], 6, DOC_TOKENS, 7)
-
-
-@pytest.fixture(scope="module")
-def greedy(tiny_checkpoints: dict[str, str]) -> Iterator[Any]:
-    with greedy_completer(tiny_checkpoints["llama"], MAX_TOKENS) as complete_greedily:
-        yield complete_greedily
+documents, greedy = tiny_fixtures(6, DOC_TOKENS, 7, MAX_TOKENS)
 
 
 def ingress_index(app: str) -> dict[str, dict[str, dict[str, int]]]:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
-from tests.support.kv_serving import greedy_completer, random_documents, timings_with_cached
+from tests.support.kv_serving import timings_with_cached, tiny_fixtures
 from tests.support.metrics import metric_value
 from tests.support.waiting import wait_for
 
@@ -41,15 +40,7 @@ def peer_app(path: str, latency_ms: float) -> dict[str, Any]:
     return raw
 
 
-@pytest.fixture(scope="module")
-def documents(tiny_checkpoints: dict[str, str]) -> list[list[int]]:
-    return random_documents(tiny_checkpoints["llama"], 4, DOC_TOKENS, 11)
-
-
-@pytest.fixture(scope="module")
-def greedy(tiny_checkpoints: dict[str, str]) -> Iterator[Any]:
-    with greedy_completer(tiny_checkpoints["llama"], MAX_TOKENS) as complete_greedily:
-        yield complete_greedily
+documents, greedy = tiny_fixtures(4, DOC_TOKENS, 11, MAX_TOKENS)
 
 
 def complete(url: str, ids: list[int], greedy: Any) -> dict[str, Any]:

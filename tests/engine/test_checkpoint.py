@@ -6,6 +6,7 @@ Each error test breaks a copy of a generated checkpoint in one way and checks th
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -67,24 +68,16 @@ def test_transformers5_rope_parameters_form(
     )
 
 
-def test_missing_config(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
-    path = broken_copy(tiny_checkpoints, "llama", tmp_path)
-    (path / "config.json").unlink()
-    with pytest.raises(CheckpointError, match=r"config\.json"):
-        load_model(path, torch.float32)
-
-
-def test_missing_weights_file(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
-    path = broken_copy(tiny_checkpoints, "llama", tmp_path)
-    (path / SINGLE_FILE).unlink()
-    with pytest.raises(CheckpointError, match=r"model\.safetensors"):
-        load_model(path, torch.float32)
-
-
-def test_missing_shard_file(tiny_checkpoints: dict[str, str], tmp_path: Path) -> None:
-    path = broken_copy(tiny_checkpoints, "llama_sharded", tmp_path)
-    (path / "model-00002-of-00003.safetensors").unlink()
-    with pytest.raises(CheckpointError, match=r"model-00002-of-00003\.safetensors"):
+@pytest.mark.parametrize(("checkpoint", "missing"), [
+    ("llama", "config.json"),
+    ("llama", SINGLE_FILE),
+    ("llama_sharded", "model-00002-of-00003.safetensors"),
+])
+def test_a_missing_file_is_named(tiny_checkpoints: dict[str, str], tmp_path: Path,
+                                 checkpoint: str, missing: str) -> None:
+    path = broken_copy(tiny_checkpoints, checkpoint, tmp_path)
+    (path / missing).unlink()
+    with pytest.raises(CheckpointError, match=re.escape(missing)):
         load_model(path, torch.float32)
 
 

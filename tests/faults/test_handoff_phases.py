@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pdserve.faults import POINTS
-from tests.support.fault_rounds import deployed_faults_app, greedy_texts, kill_round
+from tests.support.fault_rounds import deployed_faults_app, greedy_fixture, kill_round
 
 if TYPE_CHECKING:
     from tests.support.ray_serve import ServedApps
@@ -24,11 +24,7 @@ NUM_REQUESTS = 4
 
 
 phases_app = deployed_faults_app(APP)
-
-
-@pytest.fixture(scope="module")
-def greedy(tiny_checkpoints: dict[str, str]) -> dict[int, str]:
-    return greedy_texts(tiny_checkpoints["llama"], NUM_REQUESTS)
+greedy = greedy_fixture(NUM_REQUESTS)
 
 
 @pytest.mark.parametrize("point", sorted(POINTS))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from tests.support.fault_rounds import deployed_faults_app, greedy_texts, long_conv
+from tests.support.fault_rounds import deployed_faults_app, greedy_fixture, long_conv
 from tests.support.processes import replica_pids
 from tests.support.waiting import wait_for
 
@@ -29,11 +29,7 @@ MAX_TOKENS = 16
 
 
 faults_app = deployed_faults_app(APP)
-
-
-@pytest.fixture(scope="module")
-def greedy(tiny_checkpoints: dict[str, str]) -> dict[int, str]:
-    return greedy_texts(tiny_checkpoints["llama"], 12, MAX_TOKENS)
+greedy = greedy_fixture(12, MAX_TOKENS)
 
 
 def chat(url: str, i: int, stream: bool = False, timings: bool = False) -> httpx.Response:

@@ -50,6 +50,16 @@ def deployed_faults_app(app: str) -> Any:
     return fixture
 
 
+def greedy_fixture(count: int, max_tokens: int = MAX_TOKENS) -> Any:
+    """A module fixture: `greedy_texts` of the tiny llama for ``count`` long chats."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def fixture(tiny_checkpoints: dict[str, str]) -> dict[int, str]:
+        return greedy_texts(tiny_checkpoints["llama"], count, max_tokens)
+    return fixture
+
+
 def greedy_texts(model_path: str, count: int, max_tokens: int = MAX_TOKENS) -> dict[int, str]:
     """One engine's greedy answers to `long_conv(i)`: what every served answer must equal."""
     from pdserve.cluster.config import engine_config

@@ -64,6 +64,22 @@ def greedy_completer(checkpoint: str, max_tokens: int) -> Iterator[Callable[[lis
         engine.close()
 
 
+def tiny_fixtures(num_documents: int, doc_tokens: int, seed: int,
+                  max_tokens: int) -> tuple[Any, Any]:
+    """Module fixtures over the tiny llama: `random_documents` and a `greedy_completer`."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def documents(tiny_checkpoints: dict[str, str]) -> list[list[int]]:
+        return random_documents(tiny_checkpoints["llama"], num_documents, doc_tokens, seed)
+
+    @pytest.fixture(scope="module")
+    def greedy(tiny_checkpoints: dict[str, str]) -> Iterator[Callable[[list[int]], str]]:
+        with greedy_completer(tiny_checkpoints["llama"], max_tokens) as complete_greedily:
+            yield complete_greedily
+    return documents, greedy
+
+
 def timings_with_cached(body: dict[str, Any]) -> dict[str, Any]:
     """A completion's first pdserve timings, with the prompt tokens it found cached."""
     return body["pdserve_timings"][0] | {

@@ -84,6 +84,12 @@ def engines(loaded: LoadedModel, path: str, mode: str = "copy",
     return source, target, peer
 
 
+def cached_at_source(source: LLMEngine, target: LLMEngine, prompt: list[int]) -> None:
+    """The source caches ``prompt``; the target is told the source holds 7 of its blocks."""
+    run(source, {"s": prompt})
+    target.tiers.peer.hint("t", 7)  # type: ignore[union-attr]
+
+
 def doc(seed: int, vocab: int, n: int = 120) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, vocab) for _ in range(n)]
@@ -101,8 +107,7 @@ def reference(loaded: LoadedModel, path: str, prompt: list[int]) -> list[int]:
 def test_pulled_prefix_is_used_and_matches_one_engine(loaded: LoadedModel, path: str) -> None:
     source, target, peer = engines(loaded, path)
     prompt = doc(1, loaded.config.vocab_size) + [5, 6, 7]  # 123 tokens: 7 full blocks
-    run(source, {"s": prompt})
-    target.tiers.peer.hint("t", 7)  # type: ignore[union-attr]
+    cached_at_source(source, target, prompt)
     tokens, reuse = run(target, {"t": prompt})["t"]
     assert tokens == reference(loaded, path, prompt)
     assert [(p.first_block, len(p.device_ids)) for p in peer.pulls] == [(0, 7)]
@@ -135,8 +140,7 @@ def test_failed_pull_computes_the_prefix_and_frees_every_block(loaded: LoadedMod
                                                                path: str) -> None:
     source, target, peer = engines(loaded, path, mode="fail")
     prompt = doc(3, loaded.config.vocab_size) + [5]
-    run(source, {"s": prompt})
-    target.tiers.peer.hint("t", 7)  # type: ignore[union-attr]
+    cached_at_source(source, target, prompt)
     tokens, reuse = run(target, {"t": prompt})["t"]
     assert tokens == reference(loaded, path, prompt)
     assert len(peer.pulls) == 1 and reuse.failure == "peer_gone"
@@ -149,8 +153,7 @@ def test_abort_mid_pull_frees_the_blocks_when_the_pull_ends(loaded: LoadedModel,
                                                             path: str) -> None:
     source, target, peer = engines(loaded, path, mode="hold")
     prompt = doc(4, loaded.config.vocab_size) + [5]
-    run(source, {"s": prompt})
-    target.tiers.peer.hint("t", 7)  # type: ignore[union-attr]
+    cached_at_source(source, target, prompt)
     target.add_request("t", prompt, GREEDY)
     target.step()
     assert len(peer.pulls) == 1 and target.kv_stats().num_loading == 1
@@ -166,8 +169,7 @@ def test_cost_model_declines_a_pull_that_loses(loaded: LoadedModel, path: str) -
     vocab = loaded.config.vocab_size
     run(target, {"warm": doc(9, vocab)})  # the target measures its prefill rate
     prompt = doc(5, vocab) + [5]
-    run(source, {"s": prompt})
-    target.tiers.peer.hint("t", 7)  # type: ignore[union-attr]
+    cached_at_source(source, target, prompt)
     tokens, reuse = run(target, {"t": prompt})["t"]
     assert tokens == reference(loaded, path, prompt) and peer.pulls == []
     decision = reuse.decision
