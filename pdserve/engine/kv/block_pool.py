@@ -32,7 +32,7 @@ class BlockPool:
       device tier, and every eviction from it removed.
     """
 
-    def __init__(self, num_blocks: int, enable_prefix_caching: bool = True,
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool,
                  events: KVEventLog | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"BlockPool needs num_blocks > 0, got {num_blocks}")

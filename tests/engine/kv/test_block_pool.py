@@ -17,7 +17,7 @@ from pdserve.engine.kv.block_pool import BlockPool, NoFreeBlocksError
 
 def _cached_pool(num_blocks: int, num_cached: int) -> tuple[BlockPool, list[int], list[bytes]]:
     """A pool whose first `num_cached` allocated blocks are cached and still referenced."""
-    pool = BlockPool(num_blocks)
+    pool = BlockPool(num_blocks, enable_prefix_caching=True)
     ids = pool.allocate(num_cached)
     hashes = [hash_block(None, [i, i, i, i], "m") for i in range(num_cached)]
     for block_id, block_hash, i in zip(ids, hashes, range(num_cached), strict=True):
@@ -26,7 +26,7 @@ def _cached_pool(num_blocks: int, num_cached: int) -> tuple[BlockPool, list[int]
 
 
 def test_allocate_hands_out_distinct_referenced_blocks() -> None:
-    pool = BlockPool(8)
+    pool = BlockPool(8, enable_prefix_caching=True)
     ids = pool.allocate(5)
     assert len(set(ids)) == 5
     assert all(pool.ref_count(b) == 1 for b in ids)
@@ -35,7 +35,7 @@ def test_allocate_hands_out_distinct_referenced_blocks() -> None:
 
 
 def test_allocate_more_than_free_raises_and_changes_nothing() -> None:
-    pool = BlockPool(4)
+    pool = BlockPool(4, enable_prefix_caching=True)
     pool.allocate(3)
     with pytest.raises(NoFreeBlocksError, match="asked for 2 KV blocks but only 1"):
         pool.allocate(2)
@@ -44,7 +44,7 @@ def test_allocate_more_than_free_raises_and_changes_nothing() -> None:
 
 
 def test_release_frees_at_zero_and_refuses_double_release() -> None:
-    pool = BlockPool(4)
+    pool = BlockPool(4, enable_prefix_caching=True)
     [b] = pool.allocate(1)
     pool.touch([b])
     pool.release([b])
@@ -118,7 +118,7 @@ def test_duplicate_hash_keeps_the_first_block_cached() -> None:
 
 
 def test_cache_block_requires_a_reference() -> None:
-    pool = BlockPool(2)
+    pool = BlockPool(2, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="no request references"):
         pool.cache_block(0, b"h" * 32, [1, 2])
 

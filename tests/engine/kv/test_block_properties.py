@@ -32,7 +32,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = BlockPool(NUM_POOL_BLOCKS)
+        self.pool = BlockPool(NUM_POOL_BLOCKS, enable_prefix_caching=True)
         self.refs = [0] * NUM_POOL_BLOCKS
         self.free_order = list(range(NUM_POOL_BLOCKS))  # head first
         self.hash_of: dict[int, bytes] = {}
