@@ -31,7 +31,7 @@ from tests.support.hosts import Host, HostNetwork, namespace_hosts, netem_missin
 
 # The child of one handoff role on a host: the benchmark's worker over an inherited pipe, its
 # UCX on the host's interface.
-CHILD = ("import handoff_bandwidth as hb, sys; hb.BENCH_CONFIG['net_devices'] = 'eth0'; "
+CHILD = ("import _bandwidth_peers as hb, sys; hb.BENCH_CONFIG['net_devices'] = 'eth0'; "
          "from multiprocessing.connection import Connection; "
          "hb.handoff_worker(Connection(int(sys.argv[1])), sys.argv[2], int(sys.argv[3]))")
 

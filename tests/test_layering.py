@@ -1,6 +1,7 @@
 """pdserve's import graph, read from the ast of every module (imports inside functions and
-under TYPE_CHECKING count too): no cycle, and no folder importing one above it; and what the
-processes load: the ingress no torch, the workers' folders no Ray.
+under TYPE_CHECKING count too): no cycle, and no folder importing one above it; what the
+processes load: the ingress no torch, the workers' folders no Ray; and no module too long to
+hold one responsibility.
 
 Layers, bottom up (docs/design.md): engine, {handoff, planes}, {prefill, decode, ranks},
 router, cluster, bench, the command line. `log`, `replica`, `faults` and `auth` are leaves
@@ -207,6 +208,18 @@ def test_the_design_documents_every_code_folder() -> None:
 def test_every_folder_has_a_layer() -> None:
     folders = {_layer_of(m) for m in _graph()} - {"pdserve"}
     assert folders <= set(LAYERS) | LEAVES, folders - set(LAYERS) - LEAVES
+
+
+# Past this a module holds more than one thing (docs/design.md, "Folders").
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_is_over_400_lines() -> None:
+    root = PACKAGE.parent
+    long = {str(path.relative_to(root)): n for folder in ("pdserve", "tests", "benchmarks")
+            for path in (root / folder).rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"split these modules: {long}"
 
 
 @pytest.mark.parametrize("edges, expected", [
