@@ -54,6 +54,28 @@ def test_compiled_kernel_matches_torch_backend_on_a_ragged_batch(
     assert (actual.float() - expected).abs().max().item() < tolerance
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
+def test_launch_shape_splits_long_contexts_only_where_programs_are_too_few() -> None:
+    from pdserve.engine.attention.triton_kernel import (
+        BLOCK_M,
+        MAX_SPLITS,
+        PREFILL_BLOCK_M,
+        launch_shape,
+    )
+
+    h200 = 2 * 132  # two programs per SM
+    # One decode row over 32k tokens, 8 KV heads: 8 programs would leave 124 SMs idle.
+    one = launch_shape(1, 8, 4, 1, 32768, h200)
+    assert (one.block_m, one.num_splits, one.kv_chunk) == (BLOCK_M, MAX_SPLITS, 2048)
+    mid = launch_shape(8, 8, 4, 1, 3000, h200)  # 64 programs: 5 splits of 608 tokens
+    assert (mid.num_splits, mid.kv_chunk) == (5, 608) and mid.num_splits * mid.kv_chunk >= 3000
+    assert launch_shape(128, 8, 4, 1, 32768, h200).num_splits == 1  # the batch fills the GPU
+    assert launch_shape(1, 8, 4, 1, 300, h200).num_splits == 1  # too short to be worth it
+    assert launch_shape(1, 8, 4, 1, 32768, 1).num_splits == 1  # the interpreter (CPU)
+    prompt = launch_shape(1, 8, 4, 512, 8192, h200)  # a prompt chunk: large tiles, no split
+    assert (prompt.block_m, prompt.num_splits) == (PREFILL_BLOCK_M, 1)
+
+
 def test_backend_rule_per_device_dtype_block_size_and_capability() -> None:
     bf16 = torch.bfloat16
     assert choose_backend("cpu", bf16, 16, None, None, None).name == "torch"

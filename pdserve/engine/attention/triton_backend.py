@@ -39,5 +39,5 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         return self._kernel(
             query, layer_cache, metadata.block_tables, metadata.query_start_loc,
-            metadata.seq_lens_tensor, metadata.max_query_len, scale,
+            metadata.seq_lens_tensor, metadata.max_query_len, metadata.max_seq_len, scale,
         )

@@ -88,3 +88,46 @@ def test_model_with_triton_attention_matches_transformers(
         for prompt, ours in zip(prompts, logits, strict=True):
             theirs = reference(prompt[None]).logits[0].float()
             assert (ours - theirs).abs().max().item() < 1e-4
+
+
+# Decode rows over long contexts, a one-token context and one shorter than a split.
+DECODE_BATCH = [(1, 300), (1, 77), (1, 1), (1, 129), (2, 260)]
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("num_splits", [2, 3, 10])
+def test_contexts_split_among_programs_combine_to_the_unsplit_answer(
+        block_size: int, num_splits: int) -> None:
+    from pdserve.engine.attention.triton_kernel import BLOCK_M, LaunchShape, paged_attention
+    from tests.engine.attention_batches import torch_reference
+
+    query, cache, metadata = _batch(block_size, 8, 2, torch.float32, seed=num_splits,
+                                    batch=DECODE_BATCH)
+    chunk = -(-metadata.max_seq_len // num_splits)
+    chunk = -(-chunk // 32) * 32
+    shape = LaunchShape(BLOCK_M, -(-metadata.max_seq_len // chunk), chunk)
+    assert shape.num_splits > 1
+    actual = paged_attention(query, cache, metadata.block_tables, metadata.query_start_loc,
+                             metadata.seq_lens_tensor, metadata.max_query_len,
+                             metadata.max_seq_len, 0.3, shape)
+    expected = torch_reference(query, cache, metadata, 0.3)
+    assert (actual - expected).abs().max().item() < 1e-5
+
+
+def test_small_and_large_query_tiles_agree_on_prompt_chunks() -> None:
+    from pdserve.engine.attention.triton_kernel import (
+        BLOCK_M,
+        PREFILL_BLOCK_M,
+        LaunchShape,
+        paged_attention,
+    )
+    from tests.engine.attention_batches import torch_reference
+
+    query, cache, metadata = _batch(16, 4, 2, torch.float32, seed=21)
+    expected = torch_reference(query, cache, metadata, 0.3)
+    for block_m in (BLOCK_M, PREFILL_BLOCK_M):
+        actual = paged_attention(query, cache, metadata.block_tables, metadata.query_start_loc,
+                                 metadata.seq_lens_tensor, metadata.max_query_len,
+                                 metadata.max_seq_len, 0.3,
+                                 LaunchShape(block_m, 1, metadata.max_seq_len))
+        assert (actual - expected).abs().max().item() < 1e-5, block_m
