@@ -34,6 +34,16 @@ class TokenMask(Protocol):
     def apply(self, logits: torch.Tensor) -> None: ...
 
 
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` (a list, or equal-length lists stacked as rows) as a tensor on ``device``.
+    CUDA: through pinned host memory, without waiting (a pageable copy blocks the host until
+    the stream reaches it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class Sampler:
     """Stateless; one call per step over the rows that sample."""
 
@@ -68,7 +78,7 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
+            rows = upload(random_rows, torch.int64, logits.device)
             drawn = _draw(logits.index_select(0, rows), [params[i] for i in random_rows],
                           uniforms.index_select(0, rows))
             token_ids = token_ids.index_copy(0, rows, drawn)
@@ -85,10 +95,14 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams],
     of probability 0 (top-k, top-p, a -100 bias) adds nothing to the running sum, so the
     search never lands on it; each token's share of [0, total) is its probability up to one
     float32 rounding of the sum."""
-    temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
+    vocab = logits.shape[1]
+    # One upload for the rows' three settings; top-k as float32 is exact below 2**24.
+    temperatures, top_k, top_p = upload(
+        [[p.temperature for p in params], [p.top_k if p.top_k > 0 else vocab for p in params],
+         [p.top_p for p in params]], torch.float32, logits.device)
     logits = logits / temperatures.unsqueeze(1)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        logits = _apply_top_k_top_p(logits, params)
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
     cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
     total = cdf[:, -1:]
     # Strictly below the total, so the search stops inside the row even when u * total rounds
@@ -110,36 +124,38 @@ def _penalize_and_bias(logits: torch.Tensor, params: list[SamplingParams],
                  and (params[r].presence_penalty or params[r].frequency_penalty)]
     if penalized:
         assert output_ids is not None
-        lengths = torch.tensor([len(output_ids[r]) for r in penalized], device=device)
-        generated = torch.tensor([t for r in penalized for t in output_ids[r]], device=device)
-        owner = torch.repeat_interleave(torch.arange(len(penalized), device=device), lengths)
+        lengths, index = upload([[len(output_ids[r]) for r in penalized], penalized],
+                                torch.int64, device)
+        flat = [t for r in penalized for t in output_ids[r]]
+        generated = upload(flat, torch.int64, device)
+        # The output's size given: a CUDA repeat_interleave would otherwise read it back.
+        owner = torch.repeat_interleave(torch.arange(len(penalized), device=device), lengths,
+                                        output_size=len(flat))
         counts = torch.zeros(len(penalized), vocab, dtype=logits.dtype, device=device)
         counts.index_put_((owner, generated), torch.ones_like(generated, dtype=logits.dtype),
                           accumulate=True)
-        frequency, presence = (torch.tensor([getattr(params[r], name) for r in penalized],
-                                            dtype=logits.dtype, device=device).unsqueeze(1)
-                               for name in ("frequency_penalty", "presence_penalty"))
-        index = torch.tensor(penalized, device=device)
+        frequency, presence = upload(
+            [[params[r].frequency_penalty for r in penalized],
+             [params[r].presence_penalty for r in penalized]], logits.dtype, device).unsqueeze(2)
         penalty = frequency * counts + presence * (counts > 0)
         logits.index_copy_(0, index, logits.index_select(0, index) - penalty)
     biases = [(r, token, bias) for r in rows for token, bias in params[r].logit_bias]
     if biases:
         row_ids, token_ids, values = zip(*biases, strict=True)
-        logits.index_put_((torch.tensor(row_ids, device=device),
-                           torch.tensor(token_ids, device=device)),
-                          torch.tensor(values, dtype=logits.dtype, device=device),
+        where = upload([list(row_ids), list(token_ids)], torch.int64, device)
+        logits.index_put_((where[0], where[1]), upload(list(values), logits.dtype, device),
                           accumulate=True)
     return logits
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Mask (to -inf) every token outside each row's top-k and top-p nucleus."""
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
+                       top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) every token outside each row's top-k (the vocabulary for none) and
+    top-p nucleus."""
     vocab = logits.shape[1]
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
     remove = ranks >= top_k.unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
     sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
     # Keep a token while the mass before it is below top_p: the most likely always stays.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -158,11 +174,10 @@ def _logprobs(
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not wanted:
         return None
-    rows = torch.tensor(wanted, device=logits.device)
+    rows, sampled = upload([wanted, [token_ids[i] for i in wanted]], torch.int64, logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
     max_n = max(params[i].logprobs or 0 for i in wanted)
     top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
-    sampled = torch.tensor([token_ids[i] for i in wanted], device=logits.device)
     sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
     top_values_l = top_values.tolist() if top_values is not None else None
     top_ids_l = top_ids.tolist() if top_ids is not None else None
