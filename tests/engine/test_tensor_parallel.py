@@ -115,3 +115,22 @@ def test_shapes_that_do_not_split_are_refused(checkpoints) -> None:
     with pytest.raises(TPSplitError, match="num_key_value_heads 4 neither is a multiple of it "
                                            "nor divides it; intermediate_size 190"):
         check_tp_fits(wide, 6)
+
+
+def test_an_nccl_group_ends_its_process_on_a_stuck_collective_whatever_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The modes that hang, or go on with an aborted collective's partial sums, are never
+    in force when an NCCL group is made (here it fails after the settings: no NCCL or GPU)."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from pdserve.engine.parallel.group import NCCL_ERROR_HANDLING, _nccl
+
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with pytest.raises((RuntimeError, ValueError)):
+        _nccl(dist.HashStore(), 0, 1, datetime.timedelta(seconds=1), torch.device("cpu"))
+    assert {key: os.environ[key] for key in NCCL_ERROR_HANDLING} == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_BLOCKING_WAIT": "0"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -154,8 +155,18 @@ def _gloo(store: dist.Store, rank: int, size: int, host: str,
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
+# NCCL's collectives run on the device: `_wait` returns before they end, and a collective
+# that cannot end (a rank died) is found by NCCL's watchdog thread after the group's timeout.
+# TearDown: the watchdog ends this process then, and the replica goes like a killed one (its
+# requests end with a clear error; Serve replaces it). The other modes would hang forever (0)
+# or abort the collective and let the step go on with a partial sum (2), which could be
+# sampled into a wrong answer.
+NCCL_ERROR_HANDLING = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_BLOCKING_WAIT": "0"}
+
+
 def _nccl(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
           device: torch.device) -> dist.ProcessGroup:
+    os.environ.update(NCCL_ERROR_HANDLING)  # read when the group is made
     if not dist.is_nccl_available():
         raise CollectiveError("tensor parallelism on CUDA needs torch built with NCCL")
     # NCCL binds its communicator to the current device: make it this rank's before the group.
