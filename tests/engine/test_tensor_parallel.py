@@ -134,3 +134,21 @@ def test_an_nccl_group_ends_its_process_on_a_stuck_collective_whatever_the_envir
         _nccl(dist.HashStore(), 0, 1, datetime.timedelta(seconds=1), torch.device("cpu"))
     assert {key: os.environ[key] for key in NCCL_ERROR_HANDLING} == {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_BLOCKING_WAIT": "0"}
+
+
+def test_step_plans_of_any_size_reach_every_rank_whole() -> None:
+    """One frame holds most plans; a longer one sends the rest after it; None stops."""
+    import os
+
+    from pdserve.engine.parallel.group import PLAN_FRAME_BYTES
+
+    room = PLAN_FRAME_BYTES - 8
+    payloads = [b"", os.urandom(100), os.urandom(room), os.urandom(room + 1),
+                os.urandom(5 * PLAN_FRAME_BYTES + 3), None]
+
+    def exchange(group: TPGroup) -> list[bytes | None]:
+        sent = payloads if group.is_first else [None] * len(payloads)
+        return [group.broadcast_plan(p) for p in sent]
+
+    for received in run_ranks(3, exchange):
+        assert received == payloads
