@@ -5,6 +5,7 @@ Built once per forward step by the model runner; read by every layer's attention
 
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,8 +74,11 @@ class AttentionMetadata:
         _validate(query_lens, seq_lens, block_tables, block_size)
         max_blocks = max(len(row) for row in block_tables)
         starts = [0, *itertools.accumulate(query_lens)]
-        table = [b for row in block_tables
-                 for b in row + [BLOCK_TABLE_PAD] * (max_blocks - len(row))]
+        table = array.array("q")
+        for row in block_tables:
+            table.extend(row)
+            if len(row) < max_blocks:
+                table.extend([BLOCK_TABLE_PAD] * (max_blocks - len(row)))
         slots = _slots(query_lens, seq_lens, block_tables, block_size)
         starts_t, seq_lens_t, table_t, slots_t, *rest = upload_int_lists(
             [starts, seq_lens, table, slots, *extra], device)
@@ -91,16 +95,29 @@ class AttentionMetadata:
         return metadata, rest
 
 
-def upload_int_lists(lists: Sequence[list[int]], device: torch.device | str) -> list[torch.Tensor]:
+def upload_int_lists(lists: Sequence[Sequence[int]],
+                     device: torch.device | str) -> list[torch.Tensor]:
     """Each list as an int64 tensor on ``device``. CUDA: one pinned host buffer and one
     non-blocking copy for all of them (seven small blocking copies a step would each wait for
-    the stream), then views of the device buffer."""
+    the stream), then views of the device buffer.
+
+    The ints pass through an `array.array`, which reads a list 3x (32k ints) to 3.5x (300)
+    faster than `torch.tensor` does; a 256-row decode step's block table is 32k ints."""
     device = torch.device(device)
     if device.type != "cuda":
-        return [torch.tensor(values, dtype=torch.int64) for values in lists]
+        return [_int64(values) for values in lists]
     sizes = [len(values) for values in lists]
-    host = torch.tensor([v for values in lists for v in values], dtype=torch.int64).pin_memory()
-    return list(host.to(device, non_blocking=True).split(sizes))
+    joined = array.array("q")
+    for values in lists:
+        joined.extend(values)
+    return list(_int64(joined).pin_memory().to(device, non_blocking=True).split(sizes))
+
+
+def _int64(values: Sequence[int]) -> torch.Tensor:
+    """A CPU int64 tensor over a copy of ``values`` (shared with nothing else)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def _slots(
