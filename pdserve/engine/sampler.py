@@ -82,8 +82,7 @@ class Sampler:
             drawn = _draw(logits.index_select(0, rows), [params[i] for i in random_rows],
                           uniforms.index_select(0, rows))
             token_ids = token_ids.index_copy(0, rows, drawn)
-        token_list = token_ids.tolist()
-        return SamplerOutput(token_list, _logprobs(raw, params, token_list))
+        return _read_back(token_ids, raw, params)
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams],
@@ -168,26 +167,31 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor,
     return logits.masked_fill(mask, float("-inf"))
 
 
-def _logprobs(
-    logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]
-) -> list[TokenLogprobs | None] | None:
+def _read_back(token_ids: torch.Tensor, logits: torch.Tensor,
+               params: list[SamplingParams]) -> SamplerOutput:
+    """The sampled tokens, and the logprobs of the rows that ask, in one copy to the host:
+    one wait for the device a step. Float64 holds token ids and float32 values exactly."""
     wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not wanted:
-        return None
-    rows, sampled = upload([wanted, [token_ids[i] for i in wanted]], torch.int64, logits.device)
+        return SamplerOutput(token_ids.tolist(), None)
+    rows = upload(wanted, torch.int64, logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
+    sampled = logprobs.gather(1, token_ids.index_select(0, rows).unsqueeze(1)).squeeze(1)
     max_n = max(params[i].logprobs or 0 for i in wanted)
-    top_values, top_ids = logprobs.topk(max_n, dim=-1) if max_n else (None, None)
-    sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1).tolist()
-    top_values_l = top_values.tolist() if top_values is not None else None
-    top_ids_l = top_ids.tolist() if top_ids is not None else None
-    result: list[TokenLogprobs | None] = [None] * len(params)
+    parts = [token_ids.double(), sampled.double()]
+    if max_n:
+        top_values, top_ids = logprobs.topk(max_n, dim=-1)
+        parts += [top_values.double().flatten(), top_ids.double().flatten()]
+    host = torch.cat(parts).tolist()
+    num_rows, num_wanted = len(params), len(wanted)
+    tokens = [int(t) for t in host[:num_rows]]
+    sampled_lp = host[num_rows:num_rows + num_wanted]
+    top_values_l = host[num_rows + num_wanted:num_rows + num_wanted * (1 + max_n)]
+    top_ids_l = host[num_rows + num_wanted * (1 + max_n):]
+    result: list[TokenLogprobs | None] = [None] * num_rows
     for j, i in enumerate(wanted):
-        n = params[i].logprobs or 0
-        top = (
-            list(zip(top_ids_l[j][:n], top_values_l[j][:n], strict=True))
-            if top_ids_l is not None and top_values_l is not None
-            else []
-        )
-        result[i] = TokenLogprobs(token_ids[i], sampled_lp[j], top)
-    return result
+        first = j * max_n
+        top = [(int(top_ids_l[first + m]), top_values_l[first + m])
+               for m in range(params[i].logprobs or 0)]
+        result[i] = TokenLogprobs(tokens[i], sampled_lp[j], top)
+    return SamplerOutput(tokens, result)

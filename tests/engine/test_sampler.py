@@ -180,6 +180,9 @@ def test_logprobs_of_sampled_token_and_top_alternatives() -> None:
     assert math.isclose(first.logprob, expected[0].max().item(), rel_tol=1e-5)
     assert [t for t, _ in first.top] == expected[0].topk(3).indices.tolist()
     assert [lp for _, lp in first.top] == sorted((lp for _, lp in first.top), reverse=True)
+    # The float32 values exactly, and ids as ints, after their trip to the host.
+    assert [lp for _, lp in first.top] == expected[0].topk(3).values.tolist()
+    assert all(type(t) is int for t, _ in first.top) and type(out.token_ids[0]) is int
     third = out.logprobs[2]
     assert third is not None and third.top == []
 
