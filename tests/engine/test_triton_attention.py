@@ -54,6 +54,24 @@ def test_compiled_kernel_matches_torch_backend_on_a_ragged_batch(
     assert (actual.float() - expected).abs().max().item() < tolerance
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kernel_splits_long_decode_contexts_and_matches_torch(dtype: torch.dtype) -> None:
+    from pdserve.engine.attention.triton_backend import TritonAttentionBackend
+    from pdserve.engine.attention.triton_kernel import launch_shape
+
+    batch = [(1, 3000), (1, 700), (1, 1), (1, 2049)]
+    query, cache, metadata = ragged_batch(16, 8, 2, dtype, seed=9, head_dim=128, device="cuda",
+                                          batch=batch)
+    wanted = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    assert launch_shape(len(batch), 2, 4, 1, 3000, wanted).num_splits > 1  # the split path
+    expected = torch_reference(query, cache, metadata, 0.1)
+    actual = TritonAttentionBackend().attend(query, cache, metadata, None, 0.1)
+    assert (actual.float() - expected).abs().max().item() < (1e-4 if dtype == torch.float32
+                                                            else 6e-2)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
 def test_launch_shape_splits_long_contexts_only_where_programs_are_too_few() -> None:
     from pdserve.engine.attention.triton_kernel import (
