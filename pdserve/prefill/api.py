@@ -54,9 +54,9 @@ class PrefillResult:
     num_computed_tokens: int  # prompt tokens this worker actually ran through the model
     queue_s: float  # from arrival at the worker until its first chunk was scheduled
     compute_s: float  # from the first scheduled chunk until the first token was sampled
-    first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
-    kv_reuse: KVReuse | None = None  # how the prompt's prefix was reused, by tier
     # The worker that answered and its queue as it answered: fresher than its last load
     # report, which can still count this very prompt as queued.
-    replica_id: str = ""
-    queue: PrefillQueue | None = None
+    replica_id: str
+    queue: PrefillQueue
+    first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
+    kv_reuse: KVReuse | None = None  # how the prompt's prefix was reused, by tier

@@ -197,7 +197,7 @@ class GenerationPipeline:
         finally:
             self.prefill_load.end(queued)
             prefill_call.cancel()
-        if self.roles is not None and result.queue is not None:
+        if self.roles is not None:
             self.roles.observe_queue(result.replica_id, result.queue)
         trace.update(prefill_queue_ms=result.queue_s * 1000.0,
                      prefill_compute_ms=result.compute_s * 1000.0,
