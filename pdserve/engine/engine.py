@@ -191,7 +191,7 @@ class LLMEngine:
         draws = self._note_scheduled(output)
         measured = self.scheduler.loads is not None  # the cost model exists for loads alone
         started = time.monotonic() if measured else 0.0
-        result = self.runner.execute(output, self.kv_manager.block_ids, draws, hook)
+        result = self.runner.execute(output, self.kv_manager.block_table, draws, hook)
         if measured:
             self._measure_prefill(output, time.monotonic() - started)
         self.stats.num_steps += 1

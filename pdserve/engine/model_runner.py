@@ -8,7 +8,7 @@ ranks' runners run the same plan (`run_plan`).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,14 +63,14 @@ class ModelRunner:
 
     @staticmethod
     def plan(
-        output: SchedulerOutput, block_ids_of: Callable[[str], list[int]]
+        output: SchedulerOutput, block_ids_of: Callable[[str], Sequence[int]]
     ) -> tuple[StepPlan, list[Request]]:
         """The step as plain lists (what every rank needs), and the requests that sample."""
         token_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
+        block_tables: list[Sequence[int]] = []
         request_ids: list[str] = []
         sample_rows: list[int] = []
         sample_chunks: list[int] = []
@@ -115,7 +115,7 @@ class ModelRunner:
     def execute(
         self,
         output: SchedulerOutput,
-        block_ids_of: Callable[[str], list[int]],
+        block_ids_of: Callable[[str], Sequence[int]],
         draws: Mapping[str, DrawKey],
         layer_hook: Callable[[int], None] | None = None,
     ) -> StepResult:

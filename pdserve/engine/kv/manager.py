@@ -5,6 +5,7 @@ The only interface the scheduler uses to reach KV blocks; the pool stays private
 
 from __future__ import annotations
 
+import array
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,9 @@ from pdserve.engine.request import Request
 class _BlockTable:
     """The blocks one request owns, in position order."""
 
-    block_ids: list[int] = field(default_factory=list)
+    # Machine ints (append-only until the request lets go): a step's block table copies them
+    # as bytes, where a list's ints would each be converted (`block_table`).
+    block_ids: array.array[int] = field(default_factory=lambda: array.array("q"))
     num_registered: int = 0  # leading blocks already offered to the prefix cache
 
 
@@ -77,7 +80,12 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block table ([] if it owns none)."""
         table = self._tables.get(request_id)
-        return list(table.block_ids) if table else []
+        return table.block_ids.tolist() if table else []
+
+    def block_table(self, request_id: str) -> array.array[int]:
+        """`block_ids` as int64 machine ints: what a step's attention metadata is built of."""
+        table = self._tables.get(request_id)
+        return array.array("q", table.block_ids) if table else array.array("q")
 
     def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
         """Leading cached blocks matching the request's tokens, and the tokens they cover.

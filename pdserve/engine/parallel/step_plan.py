@@ -4,7 +4,10 @@ built by rank 0's runner from its scheduler's output and broadcast as msgpack (n
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass, field
+import array
+from collections.abc import Sequence
+from dataclasses import astuple, dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import msgpack
@@ -27,25 +30,40 @@ class StepPlan:
     positions: list[int]
     query_lens: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
+    # Each an int64 `array.array` on the wire (msgpack bytes); lists are accepted to send.
+    block_tables: list[Sequence[int]]
     request_ids: list[str]
     sample_rows: list[int]
     sample_chunks: list[int]
     attachments: dict[str, Any] = field(default_factory=dict)
 
     def encode(self) -> bytes:
-        return msgpack.packb(astuple(self), use_bin_type=True)
+        values = list(astuple(replace(self, block_tables=[])))
+        values[_TABLES] = [array.array("q", table).tobytes() for table in self.block_tables]
+        return msgpack.packb(values, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> StepPlan:
         try:
             fields = msgpack.unpackb(data, raw=False, strict_map_key=True)
+            fields[_TABLES] = [_block_table(table) for table in fields[_TABLES]]
             plan = cls(*fields)
             if not isinstance(plan.attachments, dict):
                 raise TypeError("attachments must be a map")
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
             raise StepPlanError(f"cannot decode a step plan: {exc}") from exc
         if not (len(plan.query_lens) == len(plan.seq_lens) == len(plan.block_tables)
                 == len(plan.request_ids)) or len(plan.sample_rows) != len(plan.sample_chunks):
             raise StepPlanError("step plan fields disagree in length")
         return plan
+
+
+_TABLES = [f.name for f in dataclass_fields(StepPlan)].index("block_tables")
+
+
+def _block_table(data: object) -> array.array[int]:
+    if not isinstance(data, bytes) or len(data) % 8:
+        raise TypeError("a block table must be int64 bytes")
+    table = array.array("q")
+    table.frombytes(data)
+    return table
