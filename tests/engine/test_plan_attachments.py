@@ -37,6 +37,16 @@ def test_attachments_that_are_not_a_map_are_refused() -> None:
         StepPlan.decode(msgpack.packb(fields, use_bin_type=True))
 
 
+@pytest.mark.parametrize("payload", [{"block_tables": []}, "plan", [[1], [2]]])
+def test_plans_of_the_wrong_shape_are_refused(payload: object) -> None:
+    with pytest.raises(StepPlanError, match="cannot decode a step plan"):
+        StepPlan.decode(msgpack.packb(payload, use_bin_type=True))
+    fields = msgpack.unpackb(PLAN.encode())
+    fields[4] = [[4]]  # a block table as a list of ints, not int64 bytes
+    with pytest.raises(StepPlanError, match="int64 bytes"):
+        StepPlan.decode(msgpack.packb(fields, use_bin_type=True))
+
+
 def _run(path: str, tp: TPGroup, prompts: list[list[int]]) -> object:
     config = engine_config(path, num_kv_blocks=64, block_size=4, max_num_batched_tokens=24)
     if not tp.is_first:

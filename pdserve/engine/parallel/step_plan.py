@@ -50,7 +50,7 @@ class StepPlan:
             plan = cls(*fields)
             if not isinstance(plan.attachments, dict):
                 raise TypeError("attachments must be a map")
-        except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
+        except (ValueError, TypeError, IndexError, KeyError, msgpack.UnpackException) as exc:
             raise StepPlanError(f"cannot decode a step plan: {exc}") from exc
         if not (len(plan.query_lens) == len(plan.seq_lens) == len(plan.block_tables)
                 == len(plan.request_ids)) or len(plan.sample_rows) != len(plan.sample_chunks):
