@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from pdserve.engine.attention.metadata import to_device
 from pdserve.engine.logprobs import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -35,13 +36,9 @@ class TokenMask(Protocol):
 
 
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` (a list, or equal-length lists stacked as rows) as a tensor on ``device``.
-    CUDA: through pinned host memory, without waiting (a pageable copy blocks the host until
-    the stream reaches it)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    """``values`` (a list, or equal-length lists stacked as rows) as a tensor on ``device``,
+    without waiting for the device (`to_device`)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 class Sampler:

@@ -110,7 +110,15 @@ def upload_int_lists(lists: Sequence[Sequence[int]],
     joined = array.array("q")
     for values in lists:
         joined.extend(values)
-    return list(_int64(joined).pin_memory().to(device, non_blocking=True).split(sizes))
+    return list(to_device(_int64(joined), device).split(sizes))
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on ``device``: itself off CUDA; on CUDA through pinned memory, without
+    waiting (a pageable copy blocks the host until the stream reaches it)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _int64(values: Sequence[int]) -> torch.Tensor:

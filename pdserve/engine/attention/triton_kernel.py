@@ -8,6 +8,7 @@ A batch of few short query tiles over long contexts splits each context among pr
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -256,4 +257,11 @@ def _programs_wanted(device: torch.device) -> int:
     programs one after another, so on CPU one program per (sequence, KV head) is best."""
     if device.type != "cuda":
         return 1
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * _multiprocessors(device.index if device.index is not None
+                                else torch.cuda.current_device())
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    """Asked once per device, not on every layer's call."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
