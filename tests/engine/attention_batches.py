@@ -41,8 +41,9 @@ def ragged_batch(block_size: int, heads: int, kv_heads: int, dtype: torch.dtype,
 
 def torch_reference(query: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-    """The torch backend's answer in float32, the reference every kernel case compares with."""
+    """The torch backend's answer in float32 (PyTorch ops only), the reference every kernel
+    case compares with."""
     block_size, kv_heads = cache.shape[2], cache.shape[3]
-    reference = TorchAttentionBackend()
+    reference = TorchAttentionBackend(c_kernel=False)
     plan = reference.prepare(metadata, block_size, kv_heads, torch.float32)
     return reference.attend(query.float(), cache.float(), metadata, plan, scale)

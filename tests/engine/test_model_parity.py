@@ -100,6 +100,8 @@ def test_decode_rows_in_several_length_groups_match_one_by_one(
 
     monkeypatch.setattr(torch_backend, "_GROUP_COST_BLOCKS", 0)
     model, block_size = models[0], 4
+    # The grouped PyTorch path (the C kernel takes CPU decode rows by default).
+    monkeypatch.setattr(model, "attention_backend", TorchAttentionBackend(c_kernel=False))
     order = [3, 1, 2, 0]  # long, short, middle, shortest: every group is out of batch order
     tables, num_blocks = shuffled_block_tables(LENGTHS, block_size, seed=11)
     cache = garbage_cache(model, num_blocks, block_size)

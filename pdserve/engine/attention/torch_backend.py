@@ -13,7 +13,9 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine.attention import cpu_native
 from pdserve.engine.attention.backend import AttentionBackend
+from pdserve.engine.attention.cpu_native import DecodeItems
 from pdserve.engine.attention.metadata import AttentionMetadata
 
 # What one more decode group costs, in padded (sequence, block) pairs: each group adds about
@@ -67,41 +69,59 @@ class Workspace:
         return buffer[:numel].view(shape)
 
 
-@dataclass(frozen=True)
+@dataclass
 class TorchAttentionPlan:
-    decode_groups: tuple[DecodeGroup, ...]
     prefills: tuple[PrefillChunk, ...]
+    # The decode rows for pdserve's C kernel (CPU), or None: grouped for batched matmuls.
+    native: DecodeItems | None
+    decode_groups: tuple[DecodeGroup, ...] | None
     workspace: Workspace
+    # What grouping needs if a layer's head shape does not fit the kernel after all.
+    metadata: AttentionMetadata
+    block_size: int
+    num_kv_heads: int
+    dtype: torch.dtype
+
+    def groups(self) -> tuple[DecodeGroup, ...]:
+        if self.decode_groups is None:
+            self.decode_groups = _decode_groups(self.metadata, self.block_size,
+                                                self.num_kv_heads, self.dtype)
+            largest = max((g.block_ids.numel() for g in self.decode_groups), default=0)
+            self.workspace = Workspace(largest)
+        return self.decode_groups
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference backend; also the CPU production path."""
+    """Reference backend; also the CPU production path.
+
+    On CPU, decode rows go to pdserve's C kernel (`cpu_native`) when it builds and fits the
+    layer (``c_kernel=False``: PyTorch ops only, the reference other kernels are tested
+    against)."""
 
     name = "torch"
+
+    def __init__(self, c_kernel: bool = True) -> None:
+        self.c_kernel = c_kernel
 
     def prepare(
         self, metadata: AttentionMetadata, block_size: int, num_kv_heads: int, dtype: torch.dtype
     ) -> TorchAttentionPlan:
-        decode_seqs = [s for s, q_len in enumerate(metadata.query_lens) if q_len == 1]
         starts = [0, *accumulate(metadata.query_lens)]
         prefills = tuple(
             _prefill_chunk(metadata, s, starts[s], block_size, dtype)
             for s, q_len in enumerate(metadata.query_lens)
             if q_len > 1
         )
-        groups = _group_by_length(
-            decode_seqs, [-(-metadata.seq_lens[s] // block_size) for s in decode_seqs]
-        )
-        all_rows = len(decode_seqs) == metadata.num_tokens
-        decode_groups = tuple(
-            _decode_group(
-                metadata, group, block_size, num_kv_heads, dtype,
-                in_order=all_rows and len(groups) == 1,
-            )
-            for group in groups
-        )
-        largest = max((g.block_ids.numel() for g in decode_groups), default=0)
-        return TorchAttentionPlan(decode_groups, prefills, Workspace(largest))
+        native = None
+        if (self.c_kernel and metadata.block_tables.device.type == "cpu"
+                and dtype in cpu_native.DTYPES
+                and block_size <= cpu_native.MAX_BLOCK and cpu_native.decode_kernel()):
+            native = _decode_items(metadata)
+        plan = TorchAttentionPlan(prefills, native, None, Workspace(0), metadata, block_size,
+                                  num_kv_heads, dtype)
+        if native is None:
+            plan.groups()
+        return plan
 
     def attend(
         self,
@@ -111,7 +131,15 @@ class TorchAttentionBackend(AttentionBackend):
         plan: TorchAttentionPlan,
         scale: float,
     ) -> torch.Tensor:
-        groups = plan.decode_groups
+        kernel = cpu_native.decode_kernel() if plan.native is not None else None
+        if kernel is not None and plan.native is not None and layer_cache.dtype == query.dtype \
+                and kernel.fits(query.dtype, query.shape[1], layer_cache.shape[3],
+                                query.shape[2], layer_cache.shape[2]):
+            out = query.new_empty(query.shape)
+            if plan.native.count:
+                kernel.attend(query, layer_cache, plan.native, out, scale)
+            return self._attend_prefills(query, layer_cache, plan, out, scale)
+        groups = plan.groups()
         if len(groups) == 1 and groups[0].token_rows is None:
             attended = _attend_decode(query, layer_cache, groups[0], plan.workspace, scale)
             return attended.reshape(query.shape)
@@ -125,6 +153,12 @@ class TorchAttentionBackend(AttentionBackend):
                 query.index_select(0, rows), layer_cache, group, plan.workspace, scale
             )
             by_kv_head.index_copy_(0, rows, attended)
+        return self._attend_prefills(query, layer_cache, plan, out, scale)
+
+    @staticmethod
+    def _attend_prefills(query: torch.Tensor, layer_cache: torch.Tensor,
+                         plan: TorchAttentionPlan, out: torch.Tensor,
+                         scale: float) -> torch.Tensor:
         # Each [num_blocks, block_size, kv_heads, head_dim].
         keys, values = layer_cache[0], layer_cache[1]
         for chunk in plan.prefills:
@@ -132,6 +166,33 @@ class TorchAttentionBackend(AttentionBackend):
                 query[chunk.start : chunk.stop], keys, values, chunk, scale
             )
         return out
+
+
+def _decode_items(metadata: AttentionMetadata) -> DecodeItems:
+    seqs = [s for s, q_len in enumerate(metadata.query_lens) if q_len == 1]
+    if len(seqs) == metadata.num_seqs == metadata.num_tokens:
+        rows = index = torch.arange(len(seqs))
+    else:
+        index = torch.tensor(seqs, dtype=torch.int64)
+        rows = metadata.query_start_loc.index_select(0, index).long()
+    return DecodeItems(index, rows, metadata.block_tables.contiguous(),
+                       metadata.seq_lens_tensor.contiguous())
+
+
+def _decode_groups(metadata: AttentionMetadata, block_size: int, num_kv_heads: int,
+                   dtype: torch.dtype) -> tuple[DecodeGroup, ...]:
+    decode_seqs = [s for s, q_len in enumerate(metadata.query_lens) if q_len == 1]
+    groups = _group_by_length(
+        decode_seqs, [-(-metadata.seq_lens[s] // block_size) for s in decode_seqs]
+    )
+    all_rows = len(decode_seqs) == metadata.num_tokens
+    return tuple(
+        _decode_group(
+            metadata, group, block_size, num_kv_heads, dtype,
+            in_order=all_rows and len(groups) == 1,
+        )
+        for group in groups
+    )
 
 
 def _additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -33,7 +33,7 @@ def test_kernel_matches_torch_backend_on_a_ragged_batch(
     block_size: int, heads: int, kv_heads: int
 ) -> None:
     query, cache, metadata = _batch(block_size, heads, kv_heads, torch.float32, seed=block_size)
-    reference = TorchAttentionBackend()
+    reference = TorchAttentionBackend(c_kernel=False)
     expected = reference.attend(query, cache, metadata,
                                 reference.prepare(metadata, block_size, kv_heads, query.dtype),
                                 0.3)
@@ -44,7 +44,7 @@ def test_kernel_matches_torch_backend_on_a_ragged_batch(
 
 def test_kernel_in_float16_with_a_head_dim_that_is_not_a_power_of_two() -> None:
     query, cache, metadata = _batch(16, 4, 2, torch.float16, seed=3, head_dim=24)
-    reference = TorchAttentionBackend()
+    reference = TorchAttentionBackend(c_kernel=False)
     expected = reference.attend(query.float(), cache.float(), metadata,
                                 reference.prepare(metadata, 16, 2, torch.float32), 0.2)
     actual = TritonAttentionBackend().attend(query, cache, metadata, None, 0.2)
