@@ -3,7 +3,8 @@
  * One query token per sequence against its whole context: every (sequence, KV head) pair
  * walks its blocks once, scoring the group's query heads against each key and folding the
  * values into a running softmax (block by block), so no context is ever gathered or padded.
- * Built by pdserve/engine/attention/cpu_native.py with the machine's own vector width.
+ * Built by pdserve/engine/attention/cpu_native.py with the machine's own vector width; the
+ * sequences can be shared among torch's OpenMP threads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -197,4 +198,28 @@ int pdserve_decode_attention(const void *query, int64_t q_row_stride, int64_t q_
         }
     }
     return 0;
+}
+
+/* `pdserve_decode_attention` over [0, count), the items shared among `num_threads` of torch's
+ * own OpenMP threads (the library links libgomp.so.1, which the process already has from
+ * torch): the threads torch's ops keep warm. Each item is computed by one thread in one order,
+ * so any split gives the same bits. One thread calls `pdserve_decode_attention` directly. */
+int pdserve_decode_attention_shared(const void *query, int64_t q_row_stride,
+                                    int64_t q_head_stride, const void *k_cache,
+                                    const void *v_cache, const int32_t *block_tables,
+                                    int64_t table_stride, const int32_t *seq_lens,
+                                    const int64_t *seqs, const int64_t *rows, int64_t first,
+                                    int64_t last, int64_t num_heads, int64_t num_kv_heads,
+                                    int64_t head_dim, int64_t block_size, float scale,
+                                    int is_bf16, void *out, int64_t o_row_stride,
+                                    int64_t o_head_stride, int num_threads) {
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) reduction(| : failed)
+    for (int64_t i = first; i < last; i++) {
+        failed |= pdserve_decode_attention(query, q_row_stride, q_head_stride, k_cache, v_cache,
+                                           block_tables, table_stride, seq_lens, seqs, rows, i,
+                                           i + 1, num_heads, num_kv_heads, head_dim, block_size,
+                                           scale, is_bf16, out, o_row_stride, o_head_stride);
+    }
+    return failed ? -1 : 0;
 }
