@@ -82,9 +82,9 @@ def test_a_strided_query_view(kernel: cpu_native.DecodeKernel) -> None:
 
 def test_a_head_shape_past_the_kernels_limits_uses_pytorch(
         kernel: cpu_native.DecodeKernel) -> None:
-    query, cache, metadata = ragged_batch(16, 64, 1, torch.float32, seed=2, head_dim=8,
+    query, cache, metadata = ragged_batch(16, 128, 2, torch.float32, seed=2, head_dim=8,
                                           batch=DECODE_HEAVY)
-    assert not kernel.fits(torch.float32, 64, 1, 8, 16)  # a group of 64 query heads
+    assert not kernel.fits(torch.float32, 128, 2, 8, 16)  # 128 query heads in one call
     got = _attend(query, cache, metadata, 0.3)
     assert (got - torch_reference(query, cache, metadata, 0.3)).abs().max().item() < 1e-5
 

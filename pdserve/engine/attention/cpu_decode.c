@@ -1,8 +1,9 @@
 /* Decode attention on CPU, reading the paged KV cache where it lies.
  *
- * One query token per sequence against its whole context: every (sequence, KV head) pair
- * walks its blocks once, scoring the group's query heads against each key and folding the
- * values into a running softmax (block by block), so no context is ever gathered or padded.
+ * One query token per sequence against its whole context: each sequence walks its blocks once,
+ * reading all of a block's KV heads together, scoring each head's query group against each key
+ * and folding the values into a running softmax (block by block), so no context is ever
+ * gathered or padded.
  * Built by pdserve/engine/attention/cpu_native.py with the machine's own vector width; the
  * sequences can be shared among torch's OpenMP threads.
  */
@@ -11,8 +12,9 @@
 #include <string.h>
 
 #define MAX_HEAD_DIM 512
-#define MAX_GROUP 32
-#define MAX_BLOCK 512
+#define MAX_HEADS 64
+#define MAX_QUERY_FLOATS 16384 /* heads x head_dim */
+#define MAX_BLOCK 128
 
 static inline float bf16_value(uint16_t bits) {
     uint32_t word = (uint32_t)bits << 16;
@@ -78,81 +80,84 @@ static inline void store(void *base, int64_t offset, int64_t count, int is_bf16,
     }
 }
 
-/* One (sequence, KV head): `group` query heads at `q` (already scaled, [group][dim]). */
-static void attend_pair(const float *q, int64_t group, int64_t dim, const void *k_cache,
-                        const void *v_cache, int is_bf16, const int32_t *blocks,
-                        int64_t seq_len, int64_t block_size, int64_t token_stride,
-                        int64_t head_offset, float *acc) {
-    float scores[MAX_GROUP][MAX_BLOCK];
-    float running_max[MAX_GROUP], total[MAX_GROUP];
+/* One sequence, every head: each block read once, all its KV heads together. */
+static void attend_seq(const float *q, int64_t heads, int64_t kv_heads, int64_t dim,
+                       const void *k_cache, const void *v_cache, int is_bf16,
+                       const int32_t *blocks, int64_t seq_len, int64_t block_size,
+                       float *acc) {
+    float scores[MAX_HEADS][MAX_BLOCK];
+    float running_max[MAX_HEADS], total[MAX_HEADS];
     float row[MAX_HEAD_DIM];
-    for (int64_t j = 0; j < group; j++) {
-        running_max[j] = -INFINITY;
-        total[j] = 0.0f;
-        memset(acc + j * dim, 0, (size_t)dim * sizeof(float));
+    int64_t group = heads / kv_heads, token_stride = kv_heads * dim;
+    for (int64_t i = 0; i < heads; i++) {
+        running_max[i] = -INFINITY;
+        total[i] = 0.0f;
+        memset(acc + i * dim, 0, (size_t)dim * sizeof(float));
     }
     for (int64_t start = 0; start < seq_len; start += block_size) {
         int64_t count = seq_len - start < block_size ? seq_len - start : block_size;
-        int64_t base = (int64_t)blocks[start / block_size] * block_size * token_stride
-                       + head_offset;
+        int64_t base = (int64_t)blocks[start / block_size] * block_size * token_stride;
         for (int64_t t = 0; t < count; t++) {
-            load(k_cache, base + t * token_stride, dim, is_bf16, row);
-            for (int64_t j = 0; j < group; j++) {
-                const float *qj = q + j * dim;
-                float dot = 0.0f;
+            for (int64_t h = 0; h < kv_heads; h++) {
+                load(k_cache, base + t * token_stride + h * dim, dim, is_bf16, row);
+                for (int64_t j = 0; j < group; j++) {
+                    const float *qj = q + (h * group + j) * dim;
+                    float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < dim; d++) {
-                    dot += qj[d] * row[d];
+                    for (int64_t d = 0; d < dim; d++) {
+                        dot += qj[d] * row[d];
+                    }
+                    scores[h * group + j][t] = dot;
                 }
-                scores[j][t] = dot;
             }
         }
-        for (int64_t j = 0; j < group; j++) {
+        for (int64_t i = 0; i < heads; i++) {
             float block_max = -INFINITY;
-            const float *sj = scores[j];
+            const float *si = scores[i];
 #pragma omp simd reduction(max : block_max)
             for (int64_t t = 0; t < count; t++) {
-                block_max = sj[t] > block_max ? sj[t] : block_max;
+                block_max = si[t] > block_max ? si[t] : block_max;
             }
-            if (block_max > running_max[j]) {
-                /* exp(-inf) is 0: the first block rescales nothing. */
-                float rescale = exp_nonpositive(running_max[j] - block_max);
-                total[j] *= rescale;
-                float *aj = acc + j * dim;
+            if (block_max > running_max[i]) {
+                float rescale = exp_nonpositive(running_max[i] - block_max);
+                total[i] *= rescale;
+                float *ai = acc + i * dim;
 #pragma omp simd
                 for (int64_t d = 0; d < dim; d++) {
-                    aj[d] *= rescale;
+                    ai[d] *= rescale;
                 }
-                running_max[j] = block_max;
+                running_max[i] = block_max;
             }
-            float top = running_max[j], sum = 0.0f;
-            float *pj = scores[j];
+            float top = running_max[i], sum = 0.0f;
+            float *pi = scores[i];
 #pragma omp simd reduction(+ : sum)
             for (int64_t t = 0; t < count; t++) {
-                float p = exp_nonpositive(pj[t] - top);
-                pj[t] = p;
+                float p = exp_nonpositive(pi[t] - top);
+                pi[t] = p;
                 sum += p;
             }
-            total[j] += sum;
+            total[i] += sum;
         }
         for (int64_t t = 0; t < count; t++) {
-            load(v_cache, base + t * token_stride, dim, is_bf16, row);
-            for (int64_t j = 0; j < group; j++) {
-                float p = scores[j][t];
-                float *aj = acc + j * dim;
+            for (int64_t h = 0; h < kv_heads; h++) {
+                load(v_cache, base + t * token_stride + h * dim, dim, is_bf16, row);
+                for (int64_t j = 0; j < group; j++) {
+                    float p = scores[h * group + j][t];
+                    float *ai = acc + (h * group + j) * dim;
 #pragma omp simd
-                for (int64_t d = 0; d < dim; d++) {
-                    aj[d] += p * row[d];
+                    for (int64_t d = 0; d < dim; d++) {
+                        ai[d] += p * row[d];
+                    }
                 }
             }
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float inverse = total[j] > 0.0f ? 1.0f / total[j] : 0.0f;
-        float *aj = acc + j * dim;
+    for (int64_t i = 0; i < heads; i++) {
+        float inverse = total[i] > 0.0f ? 1.0f / total[i] : 0.0f;
+        float *ai = acc + i * dim;
 #pragma omp simd
         for (int64_t d = 0; d < dim; d++) {
-            aj[d] *= inverse;
+            ai[d] *= inverse;
         }
     }
 }
@@ -168,33 +173,27 @@ int pdserve_decode_attention(const void *query, int64_t q_row_stride, int64_t q_
                              int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                              float scale, int is_bf16, void *out, int64_t o_row_stride,
                              int64_t o_head_stride) {
-    int64_t group = num_heads / num_kv_heads;
-    if (group > MAX_GROUP || head_dim > MAX_HEAD_DIM || block_size > MAX_BLOCK) {
+    if (num_heads > MAX_HEADS || num_heads % num_kv_heads || head_dim > MAX_HEAD_DIM
+        || num_heads * head_dim > MAX_QUERY_FLOATS || block_size > MAX_BLOCK) {
         return -1;
     }
-    float q[MAX_GROUP * MAX_HEAD_DIM];
-    float acc[MAX_GROUP * MAX_HEAD_DIM];
-    int64_t token_stride = num_kv_heads * head_dim;
+    float q[MAX_QUERY_FLOATS];
+    float acc[MAX_QUERY_FLOATS];
     for (int64_t i = first; i < last; i++) {
         int64_t seq = seqs[i], row = rows[i];
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            for (int64_t j = 0; j < group; j++) {
-                int64_t head = h * group + j;
-                float *qj = q + j * head_dim;
-                load(query, row * q_row_stride + head * q_head_stride, head_dim, is_bf16, qj);
+        for (int64_t head = 0; head < num_heads; head++) {
+            float *qh = q + head * head_dim;
+            load(query, row * q_row_stride + head * q_head_stride, head_dim, is_bf16, qh);
 #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) {
-                    qj[d] *= scale;
-                }
+            for (int64_t d = 0; d < head_dim; d++) {
+                qh[d] *= scale;
             }
-            attend_pair(q, group, head_dim, k_cache, v_cache, is_bf16,
-                        block_tables + seq * table_stride, seq_lens[seq], block_size,
-                        token_stride, h * head_dim, acc);
-            for (int64_t j = 0; j < group; j++) {
-                int64_t head = h * group + j;
-                store(out, row * o_row_stride + head * o_head_stride, head_dim, is_bf16,
-                      acc + j * head_dim);
-            }
+        }
+        attend_seq(q, num_heads, num_kv_heads, head_dim, k_cache, v_cache, is_bf16,
+                   block_tables + seq * table_stride, seq_lens[seq], block_size, acc);
+        for (int64_t head = 0; head < num_heads; head++) {
+            store(out, row * o_row_stride + head * o_head_stride, head_dim, is_bf16,
+                  acc + head * head_dim);
         }
     }
     return 0;

@@ -26,13 +26,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 # The limits of the kernel's fixed scratch arrays (cpu_decode.c).
-MAX_HEAD_DIM, MAX_GROUP, MAX_BLOCK = 512, 32, 512
+MAX_HEAD_DIM, MAX_HEADS, MAX_QUERY_FLOATS, MAX_BLOCK = 512, 64, 16384, 128
 DTYPES = (torch.float32, torch.bfloat16)
 # Reassociation lets the compiler split the kernel's reductions (1.30 -> 0.85 ms a layer at 32
 # rows of ~240 tokens, bf16, with the vectorizable exp); it assumes nothing about inf or NaN,
-# which the softmax relies on. -fopenmp shares the rows among torch's OpenMP threads: 0.48 ms
-# at two threads, 0.98 ms at one (0.87 without OpenMP; Python threads beside torch's spinning
-# OpenMP workers measured slower than one thread).
+# which the softmax relies on. -fopenmp shares the rows among torch's OpenMP threads (0.44 ms
+# a layer at two threads, 0.84 at one; Python threads beside torch's spinning OpenMP workers
+# measured slower than one thread).
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-fPIC", "-shared")
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -68,8 +68,8 @@ class DecodeKernel:
     @staticmethod
     def fits(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
              block_size: int) -> bool:
-        return (dtype in DTYPES and num_heads % num_kv_heads == 0
-                and num_heads // num_kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
+        return (dtype in DTYPES and num_heads % num_kv_heads == 0 and num_heads <= MAX_HEADS
+                and head_dim <= MAX_HEAD_DIM and num_heads * head_dim <= MAX_QUERY_FLOATS
                 and block_size <= MAX_BLOCK)
 
     def attend(self, query: torch.Tensor, layer_cache: torch.Tensor, items: DecodeItems,
