@@ -1,16 +1,20 @@
 """Ray Serve request routers for the two roles, built on `pairing.py`'s rankings.
 
 They run inside the ingress's deployment handles. Serve does the probing and backoff: a
-router only ranks candidates, and Serve picks the shortest queue within the best rank.
+router ranks candidates, splitting ties by the requests it has in flight on each replica.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from ray.serve.request_router import (
     FIFOMixin,
     PendingRequest,
+    ReplicaID,
     RequestRouter,
     RunningReplica,
 )
@@ -40,19 +44,77 @@ def _ranking_of(pending: PendingRequest | None) -> tuple[str, ...]:
     return tuple(getattr(pending.args[0], "replica_ranking", ()) or ())
 
 
+# A choice counts against its replica until Serve reports the send, or for this long: a burst
+# asks for many choices before the first send is reported.
+RESERVATION_S = 1.0
+
+
+class InFlight:
+    """Requests this router sent each replica and has not seen complete, plus its choices of
+    the last `RESERVATION_S` whose send Serve has not reported yet."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._sent: dict[Hashable, int] = {}
+        self._reserved: dict[Hashable, deque[float]] = {}
+
+    def count(self, replica: Hashable) -> int:
+        held = self._reserved.get(replica)
+        now = self._clock()
+        while held and held[0] <= now - RESERVATION_S:
+            held.popleft()
+        return self._sent.get(replica, 0) + (len(held) if held else 0)
+
+    def reserve(self, replica: Hashable) -> None:
+        self._reserved.setdefault(replica, deque()).append(self._clock())
+
+    def sent(self, replica: Hashable) -> None:
+        self._sent[replica] = self._sent.get(replica, 0) + 1
+        held = self._reserved.get(replica)
+        if held:
+            held.popleft()
+
+    def completed(self, replica: Hashable) -> None:
+        if self._sent.get(replica, 0) > 0:
+            self._sent[replica] -= 1
+
+    def keep_only(self, replicas: set[Hashable]) -> None:
+        """Forget replicas that are no longer candidates (stopped or dead)."""
+        for table in (self._sent, self._reserved):
+            for gone in [r for r in table if r not in replicas]:
+                del table[gone]
+
+
 class _PolicyRouter(FIFOMixin, RequestRouter):
-    """A call that names a ``pinned_replica`` goes there; the others by the policy's `rank`."""
+    """A call that names a ``pinned_replica`` goes there; the others by the policy's `rank`,
+    each rank of several replicas split one per rank by fewest requests in flight.
+
+    Why split ties here: Serve picks within a rank by probed queue lengths, and a burst's
+    choices all see the same probes, so every request of the burst lands on one replica."""
 
     def initialize_state(self, **_: Any) -> None:
-        pass
+        self.in_flight = InFlight()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        pinned = _pinned(candidate_replicas, pending_request)
-        if pinned is not None:
-            return pinned
-        return self.rank(candidate_replicas, pending_request) if candidate_replicas else []
+        self.in_flight.keep_only({r.replica_id for r in candidate_replicas})
+        ranks = _pinned(candidate_replicas, pending_request)
+        if ranks is None:
+            ranks = self.rank(candidate_replicas, pending_request) if candidate_replicas else []
+        ranks = [[r] for rank in ranks
+                 for r in sorted(rank, key=lambda r: self.in_flight.count(r.replica_id))]
+        if ranks:
+            self.in_flight.reserve(ranks[0][0].replica_id)
+        return ranks
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        self.in_flight.sent(replica_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self.in_flight.completed(replica_id)
 
     def rank(self, candidate_replicas: list[RunningReplica],
              pending_request: PendingRequest | None) -> list[list[RunningReplica]]:
@@ -77,6 +139,7 @@ class KVHeadroomRouter(_PolicyRouter):
     """Decode: prefer replicas with the most free KV blocks (from their routing stats)."""
 
     def initialize_state(self, band: float = 0.1, **_: Any) -> None:
+        super().initialize_state()
         self.band = band
 
     def rank(self, candidate_replicas: list[RunningReplica],
@@ -95,6 +158,7 @@ class RoundRobinRouter(_PolicyRouter):
     """Each replica in turn: the baseline the smarter policies are compared against."""
 
     def initialize_state(self, **_: Any) -> None:
+        super().initialize_state()
         self.turn = 0
 
     def rank(self, candidate_replicas: list[RunningReplica],
