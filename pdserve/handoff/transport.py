@@ -29,6 +29,7 @@ from pdserve.handoff.wire import CONTROL_TAG, MAX_FRAME_BYTES, Kind, WireError, 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 CONTROL_RING = 16  # control-frame receives kept posted (64 KiB each)
+PROGRESS_WAIT_MS = 100  # the progress thread's epoll wait when nothing happens
 FrameHandler = Callable[[Kind, bytes], None]
 
 
@@ -126,7 +127,13 @@ class HandoffTransport:
                   enable_python_future=True)
         # Fill the future pool now; otherwise the first request races ucxx's notifier thread
         # and ucxx logs a warning (ucxx exposes the worker only through its context).
-        ucxx.core._get_ctx().worker.populate_python_futures_pool()
+        worker = ucxx.core._get_ctx().worker
+        worker.populate_python_futures_pool()
+        # ucxx starts its progress thread with a 1 ms epoll timeout: an idle process wakes
+        # about a thousand times a second, on the core its engine steps on. Events wake the
+        # thread at once whatever the timeout, so a long one only quiets the idle wakeups.
+        worker.stop_progress_thread()
+        worker.start_progress_thread(polling_mode=False, epoll_timeout=PROGRESS_WAIT_MS)
         self.spawn(self._control_loop())
         return bytes(ucxx.get_worker_address().tobytes())
 
