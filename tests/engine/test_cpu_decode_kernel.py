@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pdserve.engine.attention import cpu_native
+from pdserve.engine.attention.selection import select_attention_backend
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from tests.engine.attention_batches import ragged_batch, torch_reference
 
@@ -104,5 +105,19 @@ def test_without_a_compiler_pytorch_runs_and_the_log_says_why(
         assert plan.native is None and plan.decode_groups
         got = backend.attend(query, cache, metadata, plan, 0.3)
         assert (got - torch_reference(query, cache, metadata, 0.3)).abs().max().item() < 1e-5
+    finally:
+        cpu_native.decode_kernel.cache_clear()
+
+
+def test_choosing_the_cpu_backend_builds_the_kernel_before_any_step(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # A fresh cache directory: the first request's step would otherwise pay the compile.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu_native.decode_kernel.cache_clear()
+    try:
+        choice = select_attention_backend("cpu", torch.bfloat16, 16)
+        assert choice.backend.name == "torch"
+        assert cpu_native.decode_kernel.cache_info().currsize == 1
+        assert list((tmp_path / "pdserve").glob("cpu_decode-*.so"))
     finally:
         cpu_native.decode_kernel.cache_clear()

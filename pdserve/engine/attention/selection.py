@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.attention import cpu_native
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.attention.flash_backend import (
     FLASH_DTYPES,
@@ -98,6 +99,9 @@ def select_attention_backend(device: torch.device | str, dtype: torch.dtype,
         backend = TritonAttentionBackend()
     else:
         backend = TorchAttentionBackend()
+        if device.type == "cpu" and dtype in cpu_native.DTYPES:
+            # Built (or found cached) now, at start-up, not inside the first request's step.
+            cpu_native.decode_kernel()
     logger.info("attention backend: %s (%s)", rule.name, rule.reason)
     return AttentionChoice(backend, rule.reason)
 
