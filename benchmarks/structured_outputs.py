@@ -1,8 +1,9 @@
 """What constrained decoding costs in one engine: TPOT p50 at 32 streams with a JSON schema and
 without, the unconstrained rows of a half-constrained batch, mask cost per step, compile time.
 
-Rounds alternate the three batches (free, schema, mixed) so that drift in the machine's load
-falls on all of them alike; each figure is the median over rounds.
+Rounds alternate the batches (free, schema, mixed, then free again as a control: two identical
+batches differ by the noise alone) so that drift in the machine's load falls on all of them
+alike; each figure is the median over rounds.
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def measure(engine: LLMEngine, prompt: list[int],
     apart: each round's median, then the median over rounds and (``*_best``) the lowest, the
     round other processes disturbed least."""
     rounds: dict[str, list[float]] = {name: [] for name in ("free", "schema", "mixed_free",
-                                                           "mixed_schema")}
+                                                           "mixed_schema", "free_again")}
     for _ in range(num_rounds):
         for name, constrained in batches.items():
             tpots = tpot_by_request(engine, prompt, params(constrained), clock)
@@ -179,7 +180,8 @@ def main() -> None:
                                constrained, grammar=spec if i in constrained else None)
                 for i in range(n)]
 
-    batches = {"free": set(), "schema": set(range(n)), "mixed": set(range(0, n, 2))}
+    batches = {"free": set(), "schema": set(range(n)), "mixed": set(range(0, n, 2)),
+               "free_again": set()}
     tpot_by_request(engine, prompt, params(batches["schema"])[:2], time.perf_counter)  # warm up
     tpot_ms = {clock: measure(engine, prompt, params, batches, args.rounds, fn)
                for clock, fn in (("wall", time.perf_counter), ("cpu", time.process_time))}
@@ -189,6 +191,7 @@ def main() -> None:
         "load_average": os.getloadavg()[0], "tpot_p50_ms": tpot_ms,
         "schema_over_free": ratios(tpot_ms, "schema"),
         "mixed_free_over_free": ratios(tpot_ms, "mixed_free"),
+        "free_again_over_free": ratios(tpot_ms, "free_again"),
         "mask_cpu_ms_p50": {part: {rows: statistics.median(v) * 1000.0
                                    for rows, v in sorted(by_rows.items()) if len(v) >= 10}
                             for part, by_rows in mask_seconds.items()},
@@ -202,7 +205,9 @@ def main() -> None:
         print(f"  schema / free: {results['schema_over_free'][clock]:.3f} "
               f"(best rounds {results['schema_over_free'][clock + '_best']:.3f})   mixed "
               f"batch's free rows / free: {results['mixed_free_over_free'][clock]:.3f} "
-              f"(best rounds {results['mixed_free_over_free'][clock + '_best']:.3f})")
+              f"(best rounds {results['mixed_free_over_free'][clock + '_best']:.3f})   "
+              f"control, free again / free: {results['free_again_over_free'][clock]:.3f} "
+              f"(best rounds {results['free_again_over_free'][clock + '_best']:.3f})")
     for part, by_rows in results["mask_cpu_ms_p50"].items():
         print(f"mask {part} per step (median): " + ", ".join(
             f"{rows} rows {ms:.3f} ms" for rows, ms in by_rows.items()))
