@@ -11,7 +11,7 @@ from pdserve.engine.checkpoint import load_model
 from pdserve.engine.models.packed_linear import PackedLinear, can_pack, pack_linears
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
-                                reason="this torch build has no oneDNN bf16 packing")
+                                reason="oneDNN cannot pack bf16 weights on this CPU or torch build")
 
 
 def test_a_packed_linear_computes_what_the_plain_one_does() -> None:

@@ -8,18 +8,38 @@ results in the last bits and is slower for one row.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 # The row count oneDNN picks its layout for; rows 1-256 measured alike from 32 up.
 PACK_ROWS_HINT = 64
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available()
+    return device.type == "cpu" and dtype == torch.bfloat16 and _cpu_packs_bf16()
+
+
+@functools.cache
+def _cpu_packs_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: it refuses without AVX512-BF16's
+    prerequisites (AVX512 BW/VL/DQ, or AVX-NE-CONVERT), e.g. on AVX2-only CPUs."""
+    if not (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=torch.bfloat16),
+                                               PACK_ROWS_HINT)
+    except RuntimeError as exc:
+        logger.info("bf16 weights stay unpacked: oneDNN cannot pack them here (%s)",
+                    str(exc).splitlines()[0][:200])
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
