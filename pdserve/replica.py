@@ -23,6 +23,10 @@ class WorkerLoad:
     num_queued_tokens: int = 0  # prefill: prompt tokens accepted and not prefilled yet
     queue_seq: int = 0  # prefill: changes to that queue so far (a higher count is newer)
     kv_events_address: str = ""  # "host:port" of its KV event plane ("" : none)
+    # Decode: prompt tokens a second its steps would take from a long prompt within the TPOT
+    # bound, and what one prompt token costs a step in us (0: none, or not measured yet).
+    lend_tokens_per_s: int = 0
+    prompt_token_us: int = 0
     # The KV tiers beside the device: host blocks held, requests whose prefix is loading now;
     # cumulative: loads (host, and pulls from peer workers) and their bytes and seconds, loads
     # that failed (computed instead).

@@ -285,7 +285,10 @@ def engine_config(model_path: str, dtype: str | None = None, max_model_len: int 
         settings = _EngineSettings.model_validate({"model": model, "engine": engine})
     except ValidationError as exc:
         raise config_error_from(exc, _EngineSettings, "engine settings") from None
-    return settings.engine.to_engine_config(settings.model, model_path, handoff_staging_bytes=0)
+    # An engine alone prefills every prompt: the decode prompt cap only when asked for.
+    return settings.engine.to_engine_config(
+        settings.model, model_path, handoff_staging_bytes=0,
+        prompt_cap="decode_prompt_tokens_per_step" in engine)
 
 
 class _EngineSettings(Section):

@@ -111,6 +111,17 @@ class EngineSection(Section):
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="Cap on one request's prefill chunk per step (0: no cap), so a long "
         "prompt cannot stall decodes sharing the step.")
+    decode_prompt_tokens_per_step: int = Field(
+        256, ge=0, description="Disaggregated mode's decode workers: the most tokens of longer "
+        "prompts' chunks one step adds to rows that are decoding (0: no cap but "
+        "max_num_batched_tokens, and long prompts stay on the prefill role). Fewer when fewer "
+        "fit in decode_step_bound_ms at the measured cost of a prompt token; one block at "
+        "least. With it, a long prompt goes to decode when decode finishes it sooner than the "
+        "prefill role's queue lets it (router.local_prefill_max_tokens). Colocated workers "
+        "prefill every prompt and take the whole step budget.")
+    decode_step_bound_ms: float = Field(
+        40.0, gt=0, description="The step time (so the decoding rows' TPOT) that the chunks "
+        "of decode_prompt_tokens_per_step are sized to keep.")
     enable_prefix_caching: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     host_kv_cache_gb: float = Field(
         0.0, ge=0, description="Host tier per worker in GiB (pinned memory on CUDA; 0: none). "
@@ -185,9 +196,10 @@ class EngineSection(Section):
 
     def to_engine_config(self, model: ModelSection, model_path: str, handoff_staging_bytes: int,
                          cpu_affinity: CpuAffinity | None = None,
-                         device_share: float = 1.0) -> EngineConfig:
+                         device_share: float = 1.0, prompt_cap: bool = False) -> EngineConfig:
         """One worker's engine settings, given the (resolved or generated) checkpoint, the
-        device memory its handoff stages KV in (0: none) and the share of its GPU it owns."""
+        device memory its handoff stages KV in (0: none) and the share of its GPU it owns;
+        ``prompt_cap``: decode_prompt_tokens_per_step applies (a prefill role exists)."""
         from pdserve.engine.engine_config import EngineConfig  # imports torch: only when wiring
 
         sized = self.num_kv_blocks is not None or self.kv_cache_memory_gb is not None
@@ -205,6 +217,8 @@ class EngineSection(Section):
             peer_link_latency_s=self.peer_link_latency_ms / 1000.0,
             peer_link_bytes_per_s=self.peer_link_gb_per_s * 1e9,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            decode_prompt_tokens_per_step=self.decode_prompt_tokens_per_step if prompt_cap else 0,
+            decode_step_bound_s=self.decode_step_bound_ms / 1000.0,
             num_threads=self.num_threads, cpu_affinity=cpu_affinity)
 
     def core_sets(self) -> dict[str, list[frozenset[int]]]:
@@ -251,8 +265,9 @@ class RouterSection(Section):
         "where the prompt's prefix went last, whose cached KV then need not be sent again).")
     local_prefill_max_tokens: int = Field(
         512, ge=0, description="Prompts up to this long may be prefilled on their decode "
-        "worker while the prefill role is busy (longer ones always go to prefill: on decode "
-        "they would stall every stream there).")
+        "worker while the prefill role is busy. Longer ones too, one per decode replica at a "
+        "time, when engine.decode_prompt_tokens_per_step caps what a decode step prefills "
+        "(uncapped, a long prompt would stall every stream there).")
     local_prefill_queue_factor: float = Field(
         2.0, ge=0, description="...busy meaning: more prompt tokens queued per prefill replica "
         "than this many times the prompt's own; 0: never prefill on decode by load.")

@@ -92,8 +92,10 @@ def engine_settings(cfg: PdserveConfig, model_path: str, staging: int) -> Engine
     """One worker's engine settings, given the (resolved or generated) checkpoint and the
     device memory its handoff stages KV in (0: none)."""
     share = cfg.role_configs()["decode"].resources.device_share()
+    # Colocated workers prefill every prompt: there is no prefill role to leave them to.
     return cfg.engine.to_engine_config(cfg.model, model_path, staging, _cpu_affinity(cfg),
-                                       device_share=share)
+                                       device_share=share,
+                                       prompt_cap=cfg.mode == "disaggregated")
 
 
 def _cpu_affinity(cfg: PdserveConfig) -> CpuAffinity | None:

@@ -192,10 +192,13 @@ class DecodeWorker:
         hands to the decode request router and the ingress (counters read without the
         engine thread: no integrity check)."""
         kv, sched = self.engine.kv_manager, self.engine.scheduler
+        allowance = sched.prompt_allowance
         return WorkerLoad(num_blocks=kv.num_blocks, num_free_blocks=kv.num_free_blocks,
                           num_running=sched.num_running,
                           num_waiting=sched.num_waiting + sched.num_awaiting_kv,
                           kv_events_address=self.events.address,
+                          lend_tokens_per_s=allowance.lend_tokens_per_s(),
+                          prompt_token_us=allowance.token_us(),
                           **tier_load(self.engine.tiers.stats())).to_stats()
 
     def token_plane_stats(self) -> dict[str, Any]:

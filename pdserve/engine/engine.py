@@ -90,6 +90,8 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=self.max_model_len,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                decode_prompt_tokens_per_step=config.decode_prompt_tokens_per_step,
+                decode_step_bound_s=config.decode_step_bound_s,
             ),
             self.kv_manager,
         )
@@ -189,11 +191,12 @@ class LLMEngine:
             return []
         hook = None if layer_hook is None else (lambda layer: layer_hook(layer, output))
         draws = self._note_scheduled(output)
-        measured = self.scheduler.loads is not None  # the cost model exists for loads alone
-        started = time.monotonic() if measured else 0.0
+        started = time.monotonic()
         result = self.runner.execute(output, self.kv_manager.block_table, draws, hook)
-        if measured:
-            self._measure_prefill(output, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self.scheduler.observe_step(output, seconds)
+        if self.scheduler.loads is not None:  # the cost model exists for loads alone
+            self._measure_prefill(output, seconds)
         self.stats.num_steps += 1
         self.stats.num_tokens_computed += result.num_tokens_computed
         self.stats.num_preemptions += len(output.preempted_request_ids)

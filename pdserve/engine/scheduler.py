@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from pdserve.engine.errors import InconsistentKVError, InvalidRequestError
 from pdserve.engine.kv.manager import KVCacheManager
+from pdserve.engine.prompt_allowance import PromptAllowance
 from pdserve.engine.request import Request, RequestMode, RequestStatus
 from pdserve.engine.request_checks import check_new_request, stop_status
 from pdserve.engine.scheduler_integrity import check_scheduler_integrity
@@ -58,6 +59,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step (engine/step_planning.py says how)."""
         return self._planner.schedule()
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """How long the model took for a planned step (it paces the prompt allowance)."""
+        self._planner.observe(output, seconds)
+
+    @property
+    def prompt_allowance(self) -> PromptAllowance:
+        return self._planner.allowance
 
     @property
     def loads(self) -> TierLoads | None:

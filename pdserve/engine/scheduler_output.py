@@ -20,12 +20,17 @@ class SchedulerConfig:
     ``max_model_len``: longest sequence (prompt + output); generation stops there.
     ``long_prefill_token_threshold``: cap on one request's chunk per step (0 = none), so a
     long prompt cannot take the whole budget and stall the decodes for a step.
+    ``decode_prompt_tokens_per_step``: cap on all prompt tokens of a step that has decoding
+    rows (0 = none), shrunk while such steps run past ``decode_step_bound_s``
+    (`prompt_allowance.py`).
     """
 
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
     long_prefill_token_threshold: int
+    decode_prompt_tokens_per_step: int
+    decode_step_bound_s: float
 
 
 @dataclass(frozen=True)

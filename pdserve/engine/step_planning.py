@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv.manager import KVCacheManager
+from pdserve.engine.prompt_allowance import PromptAllowance
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.scheduler_output import (
     ScheduledChunk,
@@ -60,6 +61,8 @@ class StepPlanner:
         self.config = config
         self.kv = kv
         self.state = state
+        self.allowance = PromptAllowance(config.decode_prompt_tokens_per_step,
+                                         config.decode_step_bound_s, kv.block_size)
 
     def schedule(self) -> SchedulerOutput:
         """Plan one step. No request waits behind another's prompt chunks for long:
@@ -69,16 +72,32 @@ class StepPlanner:
            keeping half of it for step 3 while a running prompt is mid-prefill;
         3. each running prompt mid-prefill gets its next chunk, oldest first;
         4. more waiting prompts join, first come first served, the last one chunked.
+
+        With rows decoding, steps 3-4 (chunks of longer prompts) share the prompt allowance,
+        not the rest of the budget.
         """
         plan = StepPlan(self.config.max_num_batched_tokens)
         mid_prefill = self._schedule_decodes(plan)
+        decoding = bool(plan.chunks)
         # After a preemption the cache is full: admitting more would only thrash.
         if not plan.preempted_ids:
             self._admit_whole(plan, plan.budget - plan.budget // 2 if mid_prefill else plan.budget)
+        withheld = 0
+        if self.allowance.enabled and decoding:
+            withheld = max(0, plan.budget - self.allowance.tokens)
+            plan.budget -= withheld
         self._schedule_chunks(plan, mid_prefill)
         if not plan.preempted_ids:
             self._schedule_waiting(plan)
+        plan.budget += withheld
         return plan.output(self.config.max_num_batched_tokens)
+
+    def observe(self, output: SchedulerOutput, seconds: float) -> None:
+        """A planned step's measured time, for the prompt allowance."""
+        num_decode_rows = sum(1 for c in output.chunks if c.num_new_tokens == 1
+                              and c.end_position > c.request.num_prompt_tokens)
+        self.allowance.observe(seconds, num_decode_rows,
+                               output.num_batched_tokens - num_decode_rows)
 
     def _chunk_size(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = min(request.num_tokens - num_computed, budget)

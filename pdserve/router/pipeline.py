@@ -96,8 +96,14 @@ class GenerationPipeline:
             reported = [load for load in self.roles.loads() if load.role == "prefill"]
             self.prefill_load.report(sum(load.num_queued_tokens for load in reported),
                                      self.roles.counts.get("prefill", 1))
-        if self.prefill_load.prefill_here(num_prompt_tokens):
-            return "local_prefill", "prefill_busy"
+            lender = max((load for load in self.roles.loads() if load.role == "decode"),
+                         key=lambda load: load.lend_tokens_per_s, default=None)
+            if lender is not None:
+                self.prefill_load.report_decode(self.roles.counts.get("decode", 1),
+                                                lender.lend_tokens_per_s, lender.prompt_token_us)
+        reason = self.prefill_load.prefill_here(num_prompt_tokens)
+        if reason is not None:
+            return "local_prefill", reason
         return "disaggregated", None
 
     async def generate(
@@ -112,9 +118,18 @@ class GenerationPipeline:
             deltas = self._disaggregated(request_id, prompt_ids, params, trace, stream)
         else:
             deltas = self._on_decode(request_id, prompt_ids, params, (), trace, stream)
-        async with aclosing(deltas):
-            async for delta in deltas:
-                yield delta
+        # A long prompt holds its decode replica's turn until its first token.
+        long_local = reason == "prefill_busy_long"
+        self.prefill_load.num_local_long += long_local
+        try:
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    if long_local:
+                        self.prefill_load.num_local_long -= 1
+                        long_local = False
+                    yield delta
+        finally:
+            self.prefill_load.num_local_long -= long_local
 
     async def _on_decode(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams,

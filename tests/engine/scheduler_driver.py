@@ -82,6 +82,8 @@ def make_scheduler(
     max_model_len: int = 256,
     long_prefill_token_threshold: int = 0,
     enable_prefix_caching: bool = True,
+    decode_prompt_tokens_per_step: int = 0,
+    decode_step_bound_s: float = 0.05,
 ) -> tuple[Scheduler, FakeRunner]:
     kv = KVCacheManager(num_blocks, block_size, "test-model", enable_prefix_caching)
     config = SchedulerConfig(
@@ -89,6 +91,8 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         long_prefill_token_threshold=long_prefill_token_threshold,
+        decode_prompt_tokens_per_step=decode_prompt_tokens_per_step,
+        decode_step_bound_s=decode_step_bound_s,
     )
     return Scheduler(config, kv), FakeRunner(kv)
 

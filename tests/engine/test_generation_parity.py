@@ -84,6 +84,23 @@ def test_one_by_one(loaded, tiny_checkpoints, family, prompts, reference) -> Non
 
 def test_staggered_continuous_batch(loaded, tiny_checkpoints, family, prompts, reference) -> None:
     engine = make_engine(loaded, tiny_checkpoints[family], block_size=8)
+    assert staggered(engine, prompts) == reference
+    assert_all_free(engine)
+
+
+# A minute: no step outlasts it (the whole cap); 1 us: every step does (one block a step).
+@pytest.mark.parametrize("bound_ms", [60_000.0, 0.001])
+def test_decode_prompt_cap(loaded, tiny_checkpoints, family, prompts, reference,
+                           bound_ms: float) -> None:
+    engine = make_engine(loaded, tiny_checkpoints[family], block_size=8,
+                         decode_prompt_tokens_per_step=32, decode_step_bound_ms=bound_ms)
+    assert staggered(engine, prompts) == reference
+    assert engine.scheduler._planner.allowance.tokens == (32 if bound_ms > 1 else 8)
+    assert_all_free(engine)
+
+
+def staggered(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens, arriving in shuffled order every third step."""
     tokens: dict[str, list[int]] = {}
     order = list(range(len(prompts)))
     random.Random(7).shuffle(order)
@@ -96,8 +113,7 @@ def test_staggered_continuous_batch(loaded, tiny_checkpoints, family, prompts, r
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
         step += 1
-    assert [tokens[f"r{i}"] for i in range(len(prompts))] == reference
-    assert_all_free(engine)
+    return [tokens[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("chunk", [13, 40])
