@@ -53,14 +53,30 @@ class Cluster:
         serve_file = serve_deploy_config(data, parse_config(data), APP, "HeadOnly")
         path = tmp_path / "serve.yaml"
         path.write_text(yaml.safe_dump(serve_file))
+        previous = self._app().get("last_deployed_time_s")
         self.ray.serve_deploy(path)
 
         def running() -> bool:
-            app = self.ray.serve_details().get("applications", {}).get(APP)
-            if app is not None and app["status"] == "DEPLOY_FAILED":
+            # A redeploy replaces the ingress replica: the app still reads RUNNING from the
+            # previous config until the controller takes the new one, and the old replica's
+            # port refuses connections once it stops. Wait for this deploy, every replica
+            # running, and the ingress answering.
+            app = self._app()
+            if app.get("status") == "DEPLOY_FAILED":
                 raise AssertionError(f"deploy failed: {app['message']}")
-            return app is not None and app["status"] == "RUNNING"
+            if app.get("status") != "RUNNING" or app.get("last_deployed_time_s") == previous:
+                return False
+            if not all(r["state"] == "RUNNING" and len(d["replicas"]) == d["target_num_replicas"]
+                       for d in app["deployments"].values() for r in d["replicas"]):
+                return False
+            try:
+                return httpx.get(f"{self.url}/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
         wait_for(running, 120, f"Serve app {APP} to run", interval_s=0.5)
+
+    def _app(self) -> dict[str, Any]:
+        return dict(self.ray.serve_details().get("applications", {}).get(APP) or {})
 
     def deployments(self) -> dict[str, Any]:
         return dict(self.ray.serve_details()["applications"][APP]["deployments"])
