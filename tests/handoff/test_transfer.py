@@ -169,17 +169,24 @@ def test_cancel_during_transfer_stops_all_writes(pair) -> None:
     assert dst[0] not in receiver.call("receiver_stats")["writable_block_ids"]
 
 
-def test_an_idle_pooled_link_still_works_after_the_peer_timeout(pair) -> None:
+def _linked(pair, name: str, seed: int):  # type: ignore[no-untyped-def]
+    """The pair's roles set up on a fresh layout, their link made by a first round trip;
+    then a second round trip, to call after whatever the test does meanwhile."""
     receiver, sender = pair
-    rng = random.Random("idle")
+    rng = random.Random(name)
     layout = random_layout(rng, "float16", num_layers=2)
-    setup_roles(receiver, sender, layout, seed=23)
-    _round_trip(receiver, sender, layout, rng, "before-idle", 2, None)
+    setup_roles(receiver, sender, layout, seed=seed)
+    _round_trip(receiver, sender, layout, rng, f"before-{name}", 2, None)
+    return lambda: _round_trip(receiver, sender, layout, rng, f"after-{name}", 2, None)
+
+
+def test_an_idle_pooled_link_still_works_after_the_peer_timeout(pair) -> None:
+    again = _linked(pair, "idle", 23)
     time.sleep(2.5)  # longer than peer_timeout_s (1.5 s): heartbeats must keep the session
     started = time.monotonic()
-    _round_trip(receiver, sender, layout, rng, "after-idle", 2, None)
+    again()
     assert time.monotonic() - started < 1.5
-    assert sender.call("sender_stats")["num_links"] == 1
+    assert pair[1].call("sender_stats")["num_links"] == 1
 
 
 def _wakeups(pid: int) -> int:
@@ -197,14 +204,11 @@ def _wakeups(pid: int) -> int:
 
 def test_an_idle_transport_sleeps_between_events(pair) -> None:
     # ucxx's own progress thread waits 1 ms at a time: about 1,000 wakeups a second on an idle
-    # process (measured: 981), each taking the core from the engine's step.
-    receiver, sender = pair
-    rng = random.Random("quiet")
-    layout = random_layout(rng, "float16", num_layers=2)
-    setup_roles(receiver, sender, layout, seed=29)
-    _round_trip(receiver, sender, layout, rng, "before-quiet", 2, None)
+    # process (measured: 939), each taking the core from the engine's step.
+    again = _linked(pair, "quiet", 29)
+    receiver = pair[0]
     before, started = _wakeups(receiver.pid), time.monotonic()
     time.sleep(1.0)  # the measurement window: an idle second
     rate = (_wakeups(receiver.pid) - before) / (time.monotonic() - started)
     assert rate < 300, f"{rate:.0f} wakeups/s while idle"
-    _round_trip(receiver, sender, layout, rng, "after-quiet", 2, None)  # and events still wake it
+    again()  # and events still wake it
