@@ -112,8 +112,9 @@ class EngineSection(Section):
         0, ge=0, description="Cap on one request's prefill chunk per step (0: no cap), so a long "
         "prompt cannot stall decodes sharing the step.")
     decode_prompt_tokens_per_step: int = Field(
-        256, ge=0, description="Disaggregated mode's decode workers: the most tokens of longer "
-        "prompts' chunks one step adds to rows that are decoding (0: no cap but "
+        256, ge=0, description="Disaggregated mode's decode workers: while rows decode, longer "
+        "prompts do not join a step whole, and a step adds at most this many tokens of their "
+        "chunks (0: no cap but "
         "max_num_batched_tokens, and long prompts stay on the prefill role). Fewer when fewer "
         "fit in decode_step_bound_ms at the measured cost of a prompt token; one block at "
         "least. With it, a long prompt goes to decode when decode finishes it sooner than the "

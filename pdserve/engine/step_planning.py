@@ -73,17 +73,19 @@ class StepPlanner:
         3. each running prompt mid-prefill gets its next chunk, oldest first;
         4. more waiting prompts join, first come first served, the last one chunked.
 
-        With rows decoding, steps 3-4 (chunks of longer prompts) share the prompt allowance,
-        not the rest of the budget.
+        With rows decoding and the decode prompt cap on, step 2 admits only prompts within the
+        cap, and steps 3-4 (chunks of longer prompts) share the prompt allowance, not the rest
+        of the budget.
         """
         plan = StepPlan(self.config.max_num_batched_tokens)
         mid_prefill = self._schedule_decodes(plan)
-        decoding = bool(plan.chunks)
+        capped = self.allowance.enabled and bool(plan.chunks)
         # After a preemption the cache is full: admitting more would only thrash.
         if not plan.preempted_ids:
-            self._admit_whole(plan, plan.budget - plan.budget // 2 if mid_prefill else plan.budget)
+            self._admit_whole(plan, plan.budget - plan.budget // 2 if mid_prefill else plan.budget,
+                              self.allowance.budget if capped else 0)
         withheld = 0
-        if self.allowance.enabled and decoding:
+        if capped:
             withheld = max(0, plan.budget - self.allowance.tokens)
             plan.budget -= withheld
         self._schedule_chunks(plan, mid_prefill)
@@ -152,12 +154,13 @@ class StepPlanner:
                 return False
         return True
 
-    def _admit_whole(self, plan: StepPlan, limit: int) -> None:
-        """Step 2: waiting prompts whose uncomputed tokens fit whole into ``limit`` join, FCFS,
-        passing over longer ones (they keep their place for step 4)."""
+    def _admit_whole(self, plan: StepPlan, limit: int, longest: int) -> None:
+        """Step 2: waiting prompts whose uncomputed tokens fit whole into ``limit`` (and each
+        into ``longest``, 0: no such bound) join, FCFS, passing over longer ones (they keep
+        their place for step 4)."""
         if self.state.head_blocked:
             return  # the head's turn: the blocks or seats these would take, it needs
-        cap = self.config.long_prefill_token_threshold or limit
+        cap = min(self.config.long_prefill_token_threshold or limit, longest or limit)
         i = 0
         state = self.state
         while i < len(state.waiting) and limit > 0 and state.num_seated < self.config.max_num_seqs:

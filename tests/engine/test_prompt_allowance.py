@@ -82,3 +82,18 @@ def test_without_a_cap_the_long_prompt_takes_what_the_step_has_left() -> None:
     step(scheduler, runner)
     scheduler.add_request(make_request("long", list(range(1, 1001)), max_tokens=4))
     assert _prompt_tokens(step(scheduler, runner)[0]) == 511
+
+
+def test_among_decoding_rows_only_prompts_within_the_cap_join_whole() -> None:
+    scheduler, runner = make_scheduler(num_blocks=256, block_size=16, max_num_batched_tokens=512,
+                                       max_model_len=2048, decode_prompt_tokens_per_step=64,
+                                       decode_step_bound_s=BOUND_S)
+    scheduler.add_request(make_request("s0", [1] * 20, max_tokens=200))
+    step(scheduler, runner)
+    scheduler.add_request(make_request("short", [2] * 60, max_tokens=4))
+    scheduler.add_request(make_request("mid", [3] * 300, max_tokens=4))
+    output, _ = step(scheduler, runner)
+    # The short prompt joins whole; the 300-token one is chunked, one block (the allowance
+    # before any step was measured) in this step.
+    assert {c.request.request_id: c.num_new_tokens for c in output.chunks} == {
+        "s0": 1, "short": 60, "mid": 16}
