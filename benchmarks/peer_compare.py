@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import tempfile
@@ -176,13 +175,15 @@ def measure(label: str, served: Served, seed: int, workloads: list[str],
 def fallbacks(served: Served) -> dict[str, float]:
     """pdserve's requests that left their planned path, by reason (the peer has none)."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     try:
         text = httpx.get(f"{served.url}/metrics", timeout=30).text
     except httpx.HTTPError:
         return {}
-    found = re.findall(r'^pdserve:fallbacks_total\{reason="([^"]+)"\} ([0-9.e+]+)$', text, re.M)
-    return {reason: float(value) for reason, value in found}
+    return {sample.labels["reason"]: sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "pdserve:fallbacks_total"}
 
 
 def summary(run: RunResult, cpu: dict[str, float]) -> dict[str, Any]:

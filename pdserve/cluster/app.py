@@ -126,9 +126,8 @@ def build_application(cfg: PdserveConfig, wiring: Wiring,
         pipeline=PipelineSettings(
             mode=cfg.mode,
             min_disaggregated_prompt_tokens=cfg.router.min_disaggregated_prompt_tokens,
-            local_prefill=LocalPrefillPolicy(
-                cfg.router.local_prefill_max_tokens, cfg.router.local_prefill_queue_factor,
-                long_prompts=cfg.engine.decode_prompt_tokens_per_step > 0),
+            local_prefill=LocalPrefillPolicy(cfg.router.local_prefill_max_tokens,
+                                             cfg.router.local_prefill_queue_factor),
             prefill_ranked=cfg.router.prefill_policy == "prefix_affinity",
             decode_ranked=cfg.router.decode_policy == "prefix_affinity",
             peer_pull=cfg.engine.peer_kv_pull),

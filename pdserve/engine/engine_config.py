@@ -49,8 +49,9 @@ class EngineConfig:
     # Cap on one request's prefill chunk per step (0: no cap beyond the step budget), so a
     # long prompt cannot stall the decodes that share its steps.
     long_prefill_token_threshold: int
-    # Cap on the prompt tokens of a step that has rows decoding (0: none), halved while such
-    # steps take longer than decode_step_bound_s (`prompt_allowance.py`).
+    # Cap on the longer prompts' chunk tokens of a step that has rows decoding (0: none),
+    # fewer when fewer fit in decode_step_bound_s at the measured token cost
+    # (`prompt_allowance.py`).
     decode_prompt_tokens_per_step: int
     decode_step_bound_s: float
     # torch intra-op threads of the worker (None: the claimed core set's size, else torch's).

@@ -93,10 +93,11 @@ class GenerationPipeline:
         if "prefill" in missing:
             return "local_prefill", "no_prefill_replica"
         if self.roles is not None and self.roles.counts is not None:
-            reported = [load for load in self.roles.loads() if load.role == "prefill"]
-            self.prefill_load.report(sum(load.num_queued_tokens for load in reported),
+            loads = self.roles.loads()
+            self.prefill_load.report(sum(load.num_queued_tokens for load in loads
+                                         if load.role == "prefill"),
                                      self.roles.counts.get("prefill", 1))
-            lender = max((load for load in self.roles.loads() if load.role == "decode"),
+            lender = max((load for load in loads if load.role == "decode"),
                          key=lambda load: load.lend_tokens_per_s, default=None)
             if lender is not None:
                 self.prefill_load.report_decode(self.roles.counts.get("decode", 1),
@@ -119,17 +120,19 @@ class GenerationPipeline:
         else:
             deltas = self._on_decode(request_id, prompt_ids, params, (), trace, stream)
         # A long prompt holds its decode replica's turn until its first token.
-        long_local = reason == "prefill_busy_long"
-        self.prefill_load.num_local_long += long_local
+        lent = reason == "prefill_busy_long"
+        if lent:
+            self.prefill_load.lend_begin()
         try:
             async with aclosing(deltas):
                 async for delta in deltas:
-                    if long_local:
-                        self.prefill_load.num_local_long -= 1
-                        long_local = False
+                    if lent:
+                        lent = False
+                        self.prefill_load.lend_end()
                     yield delta
         finally:
-            self.prefill_load.num_local_long -= long_local
+            if lent:
+                self.prefill_load.lend_end()
 
     async def _on_decode(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams,

@@ -2,7 +2,8 @@
 
 Prefilling a short prompt on its decode worker costs that worker about as long as the
 prompt is; waiting at a busy prefill role costs everything queued ahead of it. A long prompt
-prefills on decode only in capped chunks between its decoding rows' steps, one at a time.
+prefills on decode only where decode has step time to lend (its reports say how much: none
+without engine.decode_prompt_tokens_per_step), one per decode replica at a time.
 """
 
 from __future__ import annotations
@@ -18,9 +19,6 @@ class LocalPrefillPolicy:
     # Prefill locally when the prefill role has more than this many times the prompt's
     # own tokens queued per replica (0: never by load).
     queue_factor: float
-    # Longer prompts too, one per decode replica at a time, when decode workers cap the
-    # prompt tokens of their steps (engine.decode_prompt_tokens_per_step > 0).
-    long_prompts: bool
 
 
 class PrefillLoad:
@@ -38,6 +36,13 @@ class PrefillLoad:
         # a prompt token's cost (the prefill role's workers compute alike).
         self.lend_tokens_per_s = 0
         self.prompt_token_s = 0.0
+
+    def lend_begin(self) -> None:
+        """A long prompt went to decode; it holds its replica's turn until `lend_end`."""
+        self.num_local_long += 1
+
+    def lend_end(self) -> None:
+        self.num_local_long -= 1
 
     def begin(self, num_tokens: int) -> None:
         self.num_in_flight_tokens += num_tokens
@@ -69,8 +74,7 @@ class PrefillLoad:
         if num_tokens <= policy.max_local_tokens:
             busy = self.queued_per_replica() > policy.queue_factor * num_tokens
             return "prefill_busy" if busy else None
-        if (not policy.long_prompts or self.num_local_long >= self.num_decode_replicas
-                or self.lend_tokens_per_s <= 0):
+        if self.num_local_long >= self.num_decode_replicas or self.lend_tokens_per_s <= 0:
             return None
         # Decode takes it in capped chunks at its lending rate; the prefill role after all
         # that is queued there, at full speed.

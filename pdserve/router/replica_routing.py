@@ -98,7 +98,6 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None,
                               ) -> list[list[RunningReplica]]:
-        self.in_flight.keep_only({r.replica_id for r in candidate_replicas})
         ranks = _pinned(candidate_replicas, pending_request)
         if ranks is None:
             ranks = self.rank(candidate_replicas, pending_request) if candidate_replicas else []
@@ -107,6 +106,10 @@ class _PolicyRouter(FIFOMixin, RequestRouter):
         if ranks:
             self.in_flight.reserve(ranks[0][0].replica_id)
         return ranks
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        self.in_flight.keep_only({r.replica_id for r in replicas})
 
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)

@@ -51,7 +51,7 @@ STALLS = StallSettings(5.0, 8 << 20)
 def ingress_with(checkpoint: str, pipeline: RecordingPipeline, request_timeout_s: float = 30.0,
                  stalls: StallSettings = STALLS) -> Ingress:
     """An ingress admitting 8 generations at once, its pipeline replaced by ``pipeline``."""
-    paths = PipelineSettings("colocated", 16, LocalPrefillPolicy(0, 0, long_prompts=False))
+    paths = PipelineSettings("colocated", 16, LocalPrefillPolicy(0, 0))
     http = HttpGuardSettings(max_body_bytes=4 << 20, api_keys=(), metrics_require_api_key=True)
     settings = IngressSettings(checkpoint, "tiny", 256, 8, request_timeout_s, paths,
                                plane_token="a-cluster-token-0123456789", http=http,
