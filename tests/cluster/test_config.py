@@ -196,6 +196,10 @@ def test_autoscaling_bounds_must_be_ordered() -> None:
                                              "valid boolean"),
     ("engine__device", "tpu", "engine.device: Input should be 'auto', 'cpu' or 'cuda'"),
     ("mode", "split", "mode: Input should be 'disaggregated' or 'colocated'"),
+    ("engine__decode_step_bound_ms", 0, "engine.decode_step_bound_ms: Input should be greater "
+                                        "than 0"),
+    ("engine__decode_prompt_tokens_per_step", -1, "engine.decode_prompt_tokens_per_step: Input "
+                                                  "should be greater than or equal to 0"),
     ("roles__decode__resources__custom", {"a": "x"}, "roles.decode.resources.custom.a: Input "
                                                      "should be a valid number"),
     ("model__generate__family", "gpt2", "model.generate.family: Input should be 'llama' or "

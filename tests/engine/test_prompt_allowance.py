@@ -73,6 +73,7 @@ def test_a_long_prompt_among_decoding_rows_prefills_within_the_allowance() -> No
         taken.append(_prompt_tokens(output))
         scheduler.observe_step(output, 0.010 + 0.0001 * taken[-1])
     assert max(taken) == 64 and taken == sorted(taken)
+    drain(scheduler, runner)
 
 
 def test_without_a_cap_the_long_prompt_takes_what_the_step_has_left() -> None:
@@ -97,3 +98,12 @@ def test_among_decoding_rows_only_prompts_within_the_cap_join_whole() -> None:
     # before any step was measured) in this step.
     assert {c.request.request_id: c.num_new_tokens for c in output.chunks} == {
         "s0": 1, "short": 60, "mid": 16}
+    drain(scheduler, runner)
+
+
+def drain(scheduler, runner) -> None:  # type: ignore[no-untyped-def]
+    """Step until every request finished; every block is back in the pool."""
+    while scheduler.has_unfinished_requests:
+        step(scheduler, runner)
+    scheduler.kv.check_integrity()
+    assert scheduler.kv.num_free_blocks == scheduler.kv.num_blocks
