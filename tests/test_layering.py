@@ -29,9 +29,9 @@ LEAVES = {"log", "replica", "faults", "auth"}
 # app builder hands them what they need of it (ranks, replica context).
 RAY_FREE = ("engine", "handoff", "planes", "prefill", "decode")
 # The engine's folders, bottom up; its root holds the core (scheduler, runner, engine) and
-# the records every floor shares, the only root modules a folder may import.
+# the records and leaf helpers every floor shares, the only root modules a folder may import.
 ENGINE_FLOORS = {"kv": 0, "attention": 0, "parallel": 1, "tiers": 1, "models": 2}
-ENGINE_RECORDS = {"errors", "request", "model_config", "threads"}
+ENGINE_RECORDS = {"errors", "request", "model_config", "threads", "native_build"}
 
 
 def _modules() -> dict[str, Path]:

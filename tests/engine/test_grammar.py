@@ -6,18 +6,15 @@ The tiny checkpoint's weights are random: without a grammar its output is never 
 from __future__ import annotations
 
 import json
-import warnings
 
 import jsonschema
 import pytest
 import torch
-import xgrammar as xgr
 
 from pdserve.cluster.config import engine_config
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.errors import InvalidRequestError
 from pdserve.engine.grammar import check_grammar
-from pdserve.engine.grammar_masks import StepMask
 from pdserve.engine.grammar_spec import GrammarSpec
 from pdserve.engine.sampler import Sampler
 from pdserve.engine.sampling_params import SamplingParams
@@ -166,26 +163,6 @@ def test_masks_filled_during_the_forward_pass_are_the_same(engine: LLMEngine) ->
     assert outputs[True] == outputs[False]
     for output in outputs[True][1::2]:
         jsonschema.validate(json.loads(engine.tokenizer.decode(output)), SCHEMA)
-
-
-@pytest.mark.parametrize(("rows", "vocab", "masked"), [
-    (8, 1024, None), (8, 1000, [1, 5, 7]), (3, 32_005, [0, 2]), (1, 33, None)])
-def test_cpu_mask_apply_matches_the_grammar_library(rows: int, vocab: int,
-                                                   masked: list[int] | None) -> None:
-    """pdserve's CPU apply sets exactly the tokens xgrammar's kernel sets to -inf, in the masked
-    rows only, keeps -inf logits -inf, and raises no floating-point warning."""
-    generator = torch.Generator().manual_seed(rows * vocab)
-    bitmask = xgr.allocate_token_bitmask(rows, vocab)
-    bitmask.random_(-2**31, 2**31 - 1, generator=generator)
-    logits = torch.randn(rows, vocab, generator=generator) * 50
-    logits[0, 3] = float("-inf")
-    expected, got = logits.clone(), logits.clone()
-    xgr.apply_token_bitmask_inplace(expected, bitmask, indices=masked)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        StepMask(bitmask, masked if masked is not None else list(range(rows))).apply(got)
-    assert torch.equal(got, expected)
-    assert bool(torch.isinf(got).any()) and not bool(torch.isnan(got).any())
 
 
 def test_past_the_grammars_end_only_stop_tokens_follow(engine: LLMEngine) -> None:

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from pdserve.engine.native_build import built_library
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +94,7 @@ class DecodeKernel:
 def decode_kernel() -> DecodeKernel | None:
     """The kernel for this machine, built on first use (None: it cannot be; logged once)."""
     try:
-        library = _built_library()
+        library = built_library(SOURCE, _FLAGS)
         kernel = DecodeKernel(ctypes.CDLL(str(library)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
@@ -106,35 +103,3 @@ def decode_kernel() -> DecodeKernel | None:
         return None
     logger.info("CPU decode attention: pdserve's C kernel (%s)", library)
     return kernel
-
-
-def _built_library() -> Path:
-    """The shared library for this source, compiler and CPU, compiled unless already cached.
-    A temporary name renamed into place: concurrent workers never load a half-written file."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc/gcc) on PATH")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *_FLAGS)).encode()
-                         + _cpu_signature().encode()).hexdigest()[:20]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdserve"
-    target = cache / f"cpu_decode-{key}.so"
-    if target.is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run([compiler, *_FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True,
-                       capture_output=True, timeout=120)
-        os.replace(built, target)
-    return target
-
-
-def _cpu_signature() -> str:
-    """What `-march=native` compiles for: a library built on one CPU model must not load on
-    another that lacks its instructions (a shared home directory across a cluster)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            wanted = [line for line in info if line.startswith(("flags", "model name"))][:2]
-        return "".join(wanted)
-    except OSError:
-        return platform.processor() + platform.machine()
