@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -334,18 +335,9 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-    offline()
-    started = time.perf_counter()
-    path = ensure_checkpoint(args.model_dir, "llama", "medium", dtype=DTYPE)
-    workdir = Path(tempfile.mkdtemp(prefix="pdserve-peer-"))
-    print(f"machine load {os.getloadavg()[0]:.2f}; offline engine ...", flush=True)
-    results: dict[str, Any] = {
-        "dtype": args.dtype, "engine_set": args.engine_set,
-        "mixed_rates": dict(zip(("long", "short"), args.mixed_rates, strict=True)),
-        "offline": {t: offline_steps(path, args.seed, t, args.dtype)
-                    for t in (1, 2)} if args.run_offline else {}}
+def run_setups(args: argparse.Namespace, path: Path, workdir: Path, results: dict[str, Any],
+               started: float) -> None:
+    """Each setup's server started, measured and stopped in turn, its log in ``workdir``."""
     for setup in args.setups:
         if setup == "peer":
             if args.peer_python is None:
@@ -364,6 +356,26 @@ def main() -> None:
                 results[setup]["goodput"] = goodput(setup, served, path, args,
                                                     workdir / "bench")
         print(f"  {setup} done at {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def main() -> None:
+    args = parse_args()
+    offline()
+    started = time.perf_counter()
+    path = ensure_checkpoint(args.model_dir, "llama", "medium", dtype=DTYPE)
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-peer-"))
+    print(f"machine load {os.getloadavg()[0]:.2f}; offline engine ...", flush=True)
+    results: dict[str, Any] = {
+        "dtype": args.dtype, "engine_set": args.engine_set,
+        "mixed_rates": dict(zip(("long", "short"), args.mixed_rates, strict=True)),
+        "offline": {t: offline_steps(path, args.seed, t, args.dtype)
+                    for t in (1, 2)} if args.run_offline else {}}
+    try:
+        run_setups(args, path, workdir, results, started)
+    except BaseException:
+        print(f"servers' logs kept in {workdir}", flush=True)
+        raise
+    shutil.rmtree(workdir, ignore_errors=True)
     report(results)
     print(f"\nsaved {save_json('peer_compare', results)}")
     print(f"plot {plot(results)}")
