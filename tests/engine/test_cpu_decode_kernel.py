@@ -14,6 +14,7 @@ from pdserve.engine.attention import cpu_native
 from pdserve.engine.attention.selection import select_attention_backend
 from pdserve.engine.attention.torch_backend import TorchAttentionBackend
 from tests.engine.attention_batches import ragged_batch, torch_reference
+from tests.support.native_builds import fresh_build
 
 # Decode rows with contexts across block boundaries, between prompt chunks.
 DECODE_HEAVY = [(1, 37), (1, 1), (23, 23), (1, 16), (1, 17), (9, 40), (1, 300), (1, 2)]
@@ -92,10 +93,7 @@ def test_a_head_shape_past_the_kernels_limits_uses_pytorch(
 
 def test_without_a_compiler_pytorch_runs_and_the_log_says_why(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu_native.decode_kernel.cache_clear()
-    try:
+    with fresh_build(monkeypatch, tmp_path, cpu_native.decode_kernel, compiler=False):
         with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
             assert cpu_native.decode_kernel() is None
         assert "PyTorch's ops run instead" in caplog.text
@@ -105,19 +103,13 @@ def test_without_a_compiler_pytorch_runs_and_the_log_says_why(
         assert plan.native is None and plan.decode_groups
         got = backend.attend(query, cache, metadata, plan, 0.3)
         assert (got - torch_reference(query, cache, metadata, 0.3)).abs().max().item() < 1e-5
-    finally:
-        cpu_native.decode_kernel.cache_clear()
 
 
 def test_choosing_the_cpu_backend_builds_the_kernel_before_any_step(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # A fresh cache directory: the first request's step would otherwise pay the compile.
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cpu_native.decode_kernel.cache_clear()
-    try:
+    with fresh_build(monkeypatch, tmp_path, cpu_native.decode_kernel) as built:
         choice = select_attention_backend("cpu", torch.bfloat16, 16)
         assert choice.backend.name == "torch"
         assert cpu_native.decode_kernel.cache_info().currsize == 1
-        assert list((tmp_path / "pdserve").glob("cpu_decode-*.so"))
-    finally:
-        cpu_native.decode_kernel.cache_clear()
+        assert list(built.glob("cpu_decode-*.so"))

@@ -16,6 +16,7 @@ import xgrammar as xgr
 from pdserve.engine import mask_apply
 from pdserve.engine.grammar import GrammarCompiler
 from pdserve.engine.grammar_masks import GrammarMasks, StepMask
+from tests.support.native_builds import fresh_build
 
 Apply = Callable[[torch.Tensor, torch.Tensor, Sequence[int]], None]
 
@@ -81,10 +82,7 @@ def test_a_bitmask_with_spare_rows_masks_the_logits_rows_only() -> None:
 
 def test_without_a_compiler_numpy_applies_and_the_log_says_why(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    mask_apply.mask_kernel.cache_clear()
-    try:
+    with fresh_build(monkeypatch, tmp_path, mask_apply.mask_kernel, compiler=False):
         with caplog.at_level(logging.WARNING, logger=mask_apply.__name__):
             assert mask_apply.mask_kernel() is None
         assert "numpy applies them instead" in caplog.text
@@ -93,21 +91,15 @@ def test_without_a_compiler_numpy_applies_and_the_log_says_why(
         xgr.apply_token_bitmask_inplace(expected, bitmask, indices=[1, 3])
         mask_apply.apply_on_cpu(got, bitmask, [1, 3])
         assert torch.equal(got, expected)
-    finally:
-        mask_apply.mask_kernel.cache_clear()
 
 
 def test_cpu_masks_build_the_loop_at_start_up(monkeypatch: pytest.MonkeyPatch,
                                               tmp_path: Path) -> None:
     """A fresh cache directory: the first constrained step would otherwise pay the compile."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    mask_apply.mask_kernel.cache_clear()
     compiler = GrammarCompiler(64, lambda: [b"x"] * 64, [0])
-    masks = GrammarMasks(compiler, overlap=False)
-    try:
-        assert mask_apply.mask_kernel.cache_info().currsize == 1
-        assert list((tmp_path / "pdserve").glob("mask_apply-*.so"))
-    finally:
+    with fresh_build(monkeypatch, tmp_path, mask_apply.mask_kernel) as built:
+        masks = GrammarMasks(compiler, overlap=False)
         masks.close()
         compiler.close()
-        mask_apply.mask_kernel.cache_clear()
+        assert mask_apply.mask_kernel.cache_info().currsize == 1
+        assert list(built.glob("mask_apply-*.so"))
