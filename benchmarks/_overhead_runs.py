@@ -169,15 +169,32 @@ def pdserve_serve(config: dict[str, Any], workdir: Path, port: int) -> Iterator[
     cfg_path, log_path = workdir / "config.yaml", workdir / "serve.log"
     cfg_path.write_text(yaml.safe_dump(config))
     exe = Path(sys.executable).with_name("pdserve")
-    with log_path.open("w") as log:
-        proc = subprocess.Popen([str(exe), "serve", str(cfg_path)], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    with sigterm_exits():
+        with log_path.open("w") as log:
+            proc = subprocess.Popen([str(exe), "serve", str(cfg_path)], stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            _wait_healthy(url, proc, log_path)
+            yield Served(url, proc.pid)
+        finally:
+            _stop(proc)
+
+
+@contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """While a server runs, SIGTERM to the benchmark raises SystemExit (in the main thread),
+    so the server's context manager stops it: the default action would end the benchmark and
+    leave the server's session running."""
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        _wait_healthy(url, proc, log_path)
-        yield Served(url, proc.pid)
+        yield
     finally:
-        _stop(proc)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:

@@ -28,7 +28,15 @@ from typing import Any
 import numpy as np
 import yaml
 from _common import add_model_args, bar_chart, ensure_checkpoint, offline, save_json
-from _overhead_runs import Request, RunResult, Served, pdserve_serve, run_offline, run_served
+from _overhead_runs import (
+    Request,
+    RunResult,
+    Served,
+    pdserve_serve,
+    run_offline,
+    run_served,
+    sigterm_exits,
+)
 from _proc_cpu import session_pids, snapshot
 
 from pdserve.bench.client import Endpoint
@@ -371,7 +379,8 @@ def main() -> None:
         "offline": {t: offline_steps(path, args.seed, t, args.dtype)
                     for t in (1, 2)} if args.run_offline else {}}
     try:
-        run_setups(args, path, workdir, results, started)
+        with sigterm_exits():  # the peer's server too is stopped on SIGTERM
+            run_setups(args, path, workdir, results, started)
     except BaseException:
         print(f"servers' logs kept in {workdir}", flush=True)
         raise
