@@ -13,14 +13,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from pdserve.engine.native_build import built_library
+from pdserve.engine.native_build import load_library
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +45,11 @@ def apply_on_cpu(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int
 @functools.cache
 def mask_kernel() -> MaskKernel | None:
     """The C loop for this machine, built on first use (None: it cannot be; logged once)."""
-    try:
-        library = built_library(SOURCE, _FLAGS)
-        function = ctypes.CDLL(str(library)).pdserve_apply_token_bitmask
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("grammar masks: pdserve's C loop is unavailable (%s %s); numpy applies "
-                       "them instead", exc, detail.decode(errors="replace")[:400])
+    library = load_library(SOURCE, _FLAGS, logger,
+                           "grammar masks: numpy applies them instead")
+    if library is None:
         return None
+    function = library.pdserve_apply_token_bitmask
     function.restype = None
     function.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64]
 

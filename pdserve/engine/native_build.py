@@ -1,5 +1,6 @@
 """pdserve's C sources built once per machine with its own compiler, cached by source, flags
-and CPU model, for ctypes to load.
+and CPU model, and loaded through ctypes; without a compiler (or when a build fails) the
+caller's fallback runs and the log says why once.
 
 A library built with `-march=native` on one CPU model must not load on another that lacks its
 instructions (a home directory shared across a cluster), hence the CPU model in the key.
@@ -7,13 +8,31 @@ instructions (a home directory shared across a cluster), hence the CPU model in 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+
+def load_library(source: Path, flags: tuple[str, ...], log: logging.Logger,
+                 fallback: str) -> ctypes.CDLL | None:
+    """``source`` built with ``flags`` (unless cached) and loaded. None when it cannot be:
+    ``log`` warns with the reason and ``fallback``, what runs instead."""
+    try:
+        library = built_library(source, flags)
+        loaded = ctypes.CDLL(str(library))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning("pdserve's C build of %s is unavailable (%s %s); %s", source.name, exc,
+                    detail.decode(errors="replace")[:400], fallback)
+        return None
+    log.info("pdserve's C build of %s: %s", source.name, library)
+    return loaded
 
 
 def built_library(source: Path, flags: tuple[str, ...]) -> Path:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pdserve.engine.native_build import built_library
+from pdserve.engine.native_build import load_library
 
 logger = logging.getLogger(__name__)
 
@@ -93,13 +92,6 @@ class DecodeKernel:
 @functools.cache
 def decode_kernel() -> DecodeKernel | None:
     """The kernel for this machine, built on first use (None: it cannot be; logged once)."""
-    try:
-        library = built_library(SOURCE, _FLAGS)
-        kernel = DecodeKernel(ctypes.CDLL(str(library)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        logger.warning("CPU decode attention: pdserve's C kernel is unavailable (%s %s); "
-                       "PyTorch's ops run instead", exc, detail.decode(errors="replace")[:400])
-        return None
-    logger.info("CPU decode attention: pdserve's C kernel (%s)", library)
-    return kernel
+    library = load_library(SOURCE, _FLAGS, logger,
+                           "CPU decode attention: PyTorch's ops run instead")
+    return DecodeKernel(library) if library is not None else None
