@@ -40,6 +40,8 @@ class WorkerLoad:
     num_peer_loads: int = 0
     num_peer_load_bytes: int = 0
     peer_load_ms: int = 0
+    # Steps so far that ran with idle workers' cores lent (engine.cpu_lending; cumulative).
+    num_lent_steps: int = 0
 
     @property
     def kv_usage(self) -> float:

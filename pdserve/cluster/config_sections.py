@@ -163,6 +163,12 @@ class EngineSection(Section):
         "list of core sets, Linux cpulists like 0, '2-3' or '0,4'; each replica claims a free "
         "set at start-up (a dead replica's set is free again). Sets must not overlap; a pinned "
         "role needs a set per replica. Cores are per machine.")
+    cpu_lending: bool = Field(
+        True, description="With cpu_affinity: a pinned worker with nothing to run lends its "
+        "cores, and a step of another worker on the machine runs one more torch thread on "
+        "each idle set's cores (a prompt's prefill on an idle server uses every core, not its "
+        "replica's one). A worker that gets work while its cores are lent waits for that "
+        "step to end. false: each worker computes on its own cores only.")
 
     @model_validator(mode="after")
     def _one_kv_size(self) -> EngineSection:
@@ -220,7 +226,8 @@ class EngineSection(Section):
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             decode_prompt_tokens_per_step=self.decode_prompt_tokens_per_step if prompt_cap else 0,
             decode_step_bound_s=self.decode_step_bound_ms / 1000.0,
-            num_threads=self.num_threads, cpu_affinity=cpu_affinity)
+            num_threads=self.num_threads, cpu_affinity=cpu_affinity,
+            cpu_lending=self.cpu_lending)
 
     def core_sets(self) -> dict[str, list[frozenset[int]]]:
         """cpu_affinity parsed: role -> core sets (refuses bad cpulists with their text)."""

@@ -26,6 +26,7 @@ from pdserve.decode.group_receiver import GroupReceiver
 from pdserve.decode.token_publisher import TokenPublisher
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.cpu_affinity import apply_cpu_settings
+from pdserve.engine.cpu_lending import lending
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import ReceivedKVSlots, RequestOutput
@@ -80,7 +81,8 @@ class DecodeWorker:
         self.faults = FaultPoints()
         sink = _FaultingSink(self.publisher, self.faults) if self.faults.enabled \
             else self.publisher
-        self.async_engine = AsyncEngine(self.engine, step_sink=sink)
+        self.async_engine = AsyncEngine(self.engine, step_sink=sink,
+                                        cores=lending(engine_config, self.cpu_claim, self.engine))
         self.events = serve_engine_events(self.engine, plane_token, node_host())
         self.reserve_timeout_s = reserve_timeout_s
         self.transport: HandoffTransport | None = None
@@ -199,6 +201,7 @@ class DecodeWorker:
                           kv_events_address=self.events.address,
                           lend_tokens_per_s=allowance.lend_tokens_per_s(),
                           prompt_token_us=allowance.token_us(),
+                          num_lent_steps=self.async_engine.lent_steps,
                           **tier_load(self.engine.tiers.stats())).to_stats()
 
     def token_plane_stats(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from pdserve.engine.cpu_lending import CoreLending
 from pdserve.engine.engine import LayerHook, LLMEngine
 from pdserve.engine.engine_outputs import RequestOutput
 from pdserve.engine.errors import EngineDeadError
@@ -68,12 +69,16 @@ class AsyncEngine:
     """Owns the engine thread. Thread-safe; awaitable from any event loop."""
 
     def __init__(self, engine: LLMEngine, layer_hook: LayerHook | None = None,
-                 step_sink: StepSink | None = None) -> None:
+                 step_sink: StepSink | None = None, cores: CoreLending | None = None) -> None:
         """``step_sink`` gets each step's outputs of requests without a stream of their own
-        (`open_stream`), all in one call."""
+        (`open_stream`), all in one call; ``cores``: the worker lends its cores while idle
+        and runs steps on other idle workers' cores too."""
         self.engine = engine
         self.layer_hook = layer_hook
         self.step_sink = step_sink
+        self.cores = cores
+        if cores is not None:
+            engine.step_cores = cores.step
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = (
             queue.SimpleQueue())
         self._streams: dict[str, _Stream] = {}
@@ -148,6 +153,11 @@ class AsyncEngine:
             await self.call(lambda: self.engine.abort(request_id))
 
     @property
+    def lent_steps(self) -> int:
+        """Steps that ran with other workers' idle cores (0 without lending)."""
+        return 0 if self.cores is None else self.cores.lent_steps
+
+    @property
     def is_dead(self) -> bool:
         return self._error is not None
 
@@ -156,6 +166,8 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=10)
         self.engine.close()
+        if self.cores is not None and not self._thread.is_alive():
+            self.cores.close()
 
     # ---- the engine thread --------------------------------------------------------------
     def _run(self) -> None:
@@ -164,14 +176,21 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_commands()
                 if self.engine.has_schedulable_requests():
-                    self._dispatch(self.engine.step(self.layer_hook))
+                    self._dispatch(self._step())
                 else:
+                    if self.cores is not None:
+                        self.cores.idle()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
         except BaseException as exc:
             logger.exception("engine thread crashed")
             self._error = exc
             self._fail_everything(exc)
+
+    def _step(self) -> list[RequestOutput]:
+        if self.cores is not None:
+            self.cores.busy()
+        return self.engine.step(self.layer_hook)
 
     def _drain_commands(self) -> None:
         while True:

@@ -3,7 +3,8 @@
 Replicas of one role share their settings, so each claims one of the role's core sets at
 start-up: an exclusive ``flock`` on that set's claim file, held while the process lives. The
 kernel drops the lock when the process dies, so a dead replica's set is free for the next one
-without any clean-up, and two replicas starting at once can never take the same set.
+without any clean-up, and two replicas starting at once can never take the same set. A claim
+also takes the set's lease (``cpu_lending``): held, the cores are not lent to other workers.
 
 ``sched_setaffinity`` binds one thread on Linux, so every thread of the process is bound
 (from /proc/self/task); threads started later (the engine thread, torch's OpenMP pool, UCX)
@@ -78,15 +79,23 @@ class CpuAffinity:
 
 @dataclass(frozen=True)
 class CpuClaim:
-    """A claimed core set; the claim lasts while ``fd`` stays open (the process lives)."""
+    """A claimed core set; the claim lasts while ``fd`` stays open (the process lives), and
+    its cores are not lent while ``lease_fd`` holds the set's lease."""
 
     role: str
     index: int
     cores: frozenset[int]
     fd: int
+    lease_fd: int
 
     def release(self) -> None:
+        os.close(self.lease_fd)
         os.close(self.fd)
+
+
+def set_file(root: Path, role: str, index: int, kind: str) -> Path:
+    """A core set's lock file: ``claim`` (who owns it), ``lease`` and ``want`` (lending)."""
+    return root / f"{role}-{index}.{kind}"
 
 
 def claim_core_set(affinity: CpuAffinity, role: str) -> CpuClaim:
@@ -99,7 +108,7 @@ def claim_core_set(affinity: CpuAffinity, role: str) -> CpuClaim:
     deadline = time.monotonic() + affinity.claim_timeout_s
     while True:
         for index, cores in enumerate(sets):
-            fd = os.open(root / f"{role}-{index}.claim", os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(set_file(root, role, index, "claim"), os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -107,7 +116,10 @@ def claim_core_set(affinity: CpuAffinity, role: str) -> CpuClaim:
                 continue
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for the error below
-            return CpuClaim(role, index, cores, fd)
+            # A worker borrowing these cores gives them back when its step ends.
+            lease = os.open(set_file(root, role, index, "lease"), os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(lease, fcntl.LOCK_EX)
+            return CpuClaim(role, index, cores, fd, lease)
         if time.monotonic() > deadline:
             holders = ", ".join(f"{format_cpu_list(c)} (pid {_holder(root, role, i)})"
                                 for i, c in enumerate(sets))
@@ -120,7 +132,7 @@ def claim_core_set(affinity: CpuAffinity, role: str) -> CpuClaim:
 
 def _holder(root: Path, role: str, index: int) -> str:
     try:
-        return (root / f"{role}-{index}.claim").read_text().strip() or "?"
+        return set_file(root, role, index, "claim").read_text().strip() or "?"
     except OSError:
         return "?"
 

@@ -9,6 +9,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 from pdserve.engine.engine_config import EngineConfig
@@ -37,6 +38,8 @@ from pdserve.engine.stop_strings import TextStream
 logger = logging.getLogger(__name__)
 
 LayerHook = Callable[[int, SchedulerOutput], None]
+# Around a step's compute, given its token count: the cores it runs on (`cpu_lending.py`).
+StepCores = Callable[[int], AbstractContextManager[None]]
 
 
 @dataclass
@@ -100,6 +103,7 @@ class LLMEngine:
         self.grammars = self._grammar_compiler()
         self.runner.grammars = GrammarMasks(self.grammars, overlap=self.device.type == "cuda")
         self.stats = EngineStats()
+        self.step_cores: StepCores | None = None
         self._tracked: dict[str, _Tracked] = {}
 
     def describe(self) -> str:
@@ -192,7 +196,9 @@ class LLMEngine:
         hook = None if layer_hook is None else (lambda layer: layer_hook(layer, output))
         draws = self._note_scheduled(output)
         started = time.monotonic()
-        result = self.runner.execute(output, self.kv_manager.block_table, draws, hook)
+        with (nullcontext() if self.step_cores is None
+              else self.step_cores(output.num_batched_tokens)):
+            result = self.runner.execute(output, self.kv_manager.block_table, draws, hook)
         seconds = time.monotonic() - started
         self.scheduler.observe_step(output, seconds)
         if self.scheduler.loads is not None:  # the cost model exists for loads alone
@@ -293,13 +299,8 @@ class LLMEngine:
                                                     len(request.output_token_ids))
         return draws
 
-    def _make_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        sampling_params: SamplingParams,
-        mode: RequestMode,
-    ) -> Request:
+    def _make_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                      sampling_params: SamplingParams, mode: RequestMode) -> Request:
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -320,13 +321,9 @@ class LLMEngine:
             # Compiles on the compiler's thread while the prompt is computed (or its KV
             # travels); the first mask waits for it only if it is not done by then.
             self.grammars.prefetch(sampling_params.grammar)
-        return Request(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=sampling_params,
-            eos_token_ids=self.tokenizer.eos_token_ids,
-            mode=mode,
-        )
+        return Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                       sampling_params=sampling_params,
+                       eos_token_ids=self.tokenizer.eos_token_ids, mode=mode)
 
     def _track(self, request: Request) -> _Tracked:
         params = request.sampling_params

@@ -58,6 +58,8 @@ class EngineConfig:
     num_threads: int | None
     # Core sets the worker claims one of and binds to (cpu_affinity.apply_cpu_settings).
     cpu_affinity: CpuAffinity | None
+    # Idle pinned workers lend their cores to other workers' steps (cpu_lending.py).
+    cpu_lending: bool
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
         return DTYPE_BY_NAME[auto_dtype(device) if self.dtype == "auto" else self.dtype]

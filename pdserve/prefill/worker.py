@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from pdserve.engine.async_engine import AsyncEngine
 from pdserve.engine.cpu_affinity import apply_cpu_settings
+from pdserve.engine.cpu_lending import lending
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.engine_config import EngineConfig
 from pdserve.engine.engine_outputs import RequestOutput
@@ -131,7 +132,8 @@ class PrefillWorker:
         self.faults = FaultPoints()
         if self.faults.enabled:
             self.engine.tiers.on_load = lambda: self.faults.hit("prefill.loading_kv")
-        self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer)
+        self.async_engine = AsyncEngine(self.engine, layer_hook=self._send_layer,
+                                        cores=lending(engine_config, self.cpu_claim, self.engine))
         self.queue = PrefillQueue()  # replaced whole: Serve's stats thread reads it
         self.drain_timeout_s = drain_timeout_s
         logger.info("prefill worker ready: %s", self.engine.describe())
@@ -311,6 +313,7 @@ class PrefillWorker:
                           num_running=sched.num_running, num_waiting=sched.num_waiting,
                           num_queued_tokens=queue.num_tokens, queue_seq=queue.seq,
                           kv_events_address=self.events.address,
+                          num_lent_steps=self.async_engine.lent_steps,
                           **tier_load(self.engine.tiers.stats())).to_stats()
 
     def check_health(self) -> None:

@@ -135,6 +135,9 @@ class PdserveMetrics:
         self._loading = Gauge("pdserve:num_requests_loading_kv", "Requests a replica holds "
                               "whose prompt prefix is loading from another tier (host, store "
                               "or a peer worker).", replica, registry=r)
+        self._lent_steps = Gauge("pdserve:cpu_lent_steps", "Engine steps a replica ran with "
+                                 "idle workers' cores lent to it (engine.cpu_lending), so far.",
+                                 replica, registry=r)
 
     def observe(self, timings: RequestTimings) -> None:
         """Record one finished request (any status)."""
@@ -191,7 +194,7 @@ class PdserveMetrics:
         roles' latest reported loads."""
         self._in_flight.set(num_in_flight)
         for gauge in (self._kv_usage, self._running, self._waiting, self._host_usage,
-                      self._loading):
+                      self._loading, self._lent_steps):
             gauge.clear()
         for load in loads:
             labels = {"role": load.role, "replica": load.replica_id}
@@ -199,6 +202,7 @@ class PdserveMetrics:
             self._running.labels(**labels).set(load.num_running)
             self._waiting.labels(**labels).set(load.num_waiting)
             self._loading.labels(**labels).set(load.num_loading)
+            self._lent_steps.labels(**labels).set(load.num_lent_steps)
             if load.num_host_blocks:
                 self._host_usage.labels(**labels).set(
                     load.num_host_cached_blocks / load.num_host_blocks)
