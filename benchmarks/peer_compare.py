@@ -50,7 +50,7 @@ MODEL = "m"
 DTYPE = "bfloat16"
 PROMPT_LEN = 112
 STREAMS = {"streams32": (32, 128), "streams64": (64, 256)}
-IDLE_REQUESTS, IDLE_OUT = 5, 64
+IDLE_REQUESTS, IDLE_OUT = 15, 64
 DECODE_CORE, PREFILL_CORE = 1, 0
 PEER_START_S = 600.0
 # Mixed load: (prompt tokens, output tokens, arrivals per second) of each class, over MIXED_S.

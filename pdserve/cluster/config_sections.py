@@ -164,11 +164,13 @@ class EngineSection(Section):
         "set at start-up (a dead replica's set is free again). Sets must not overlap; a pinned "
         "role needs a set per replica. Cores are per machine.")
     cpu_lending: bool = Field(
-        True, description="With cpu_affinity: a pinned worker with nothing to run lends its "
-        "cores, and a step of another worker on the machine runs one more torch thread on "
-        "each idle set's cores (a prompt's prefill on an idle server uses every core, not its "
-        "replica's one). A worker that gets work while its cores are lent waits for that "
-        "step to end. false: each worker computes on its own cores only.")
+        False, description="With cpu_affinity: a pinned worker with nothing to run lends its "
+        "cores, and a step of another worker on the machine that computes 16-512 prompt "
+        "tokens runs one more torch thread on each idle set's cores (a prompt on an idle "
+        "server prefills on every core, not its replica's one). A worker that gets work "
+        "while its cores are lent waits for that step to end. For lightly loaded servers: "
+        "it cuts an idle server's TTFT and costs throughput under a burst of prompts (the "
+        "README's CPU pinning section has both measured).")
 
     @model_validator(mode="after")
     def _one_kv_size(self) -> EngineSection:

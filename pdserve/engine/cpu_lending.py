@@ -33,10 +33,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 TASKS = Path("/proc/self/task")
-# Smaller steps run on the worker's own cores: a decode step of one row (medium checkpoint,
-# float32, 2-core EPYC) took 12.3-13.9 ms with a lent core and 12.3-13.2 without, while a
-# 112-token prefill took 59-95 against 86-117 ms.
+# Only steps that compute prompt tokens borrow, and only MIN..MAX of them (medium checkpoint,
+# float32, 2-core EPYC): a 112-token prefill took 59-95 ms with a lent core against 86-117
+# without, while a one-row decode step gained nothing (12.3-13.9 ms against 12.3-13.2) and
+# 32/64 streams decoding on two replicas lost 5-25 % of their throughput with decode steps
+# lent (the two-thread step waits on the core that the ingress and clients also run on).
 MIN_LENT_TOKENS = 16
+# A lender that gets work waits for the step: a 512-token prefill takes 0.21-0.26 s there
+# on two threads, a whole-batch one of ~1,800 tokens ~0.9 s.
+MAX_LENT_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -97,12 +102,13 @@ class CoreLending:
             self._holding = True
 
     @contextmanager
-    def step(self, num_tokens: int) -> Iterator[None]:
-        """Run one step's compute (``num_tokens`` tokens) on this worker's cores and, if it
-        is large enough to gain from more threads, every idle set it can take."""
+    def step(self, prompt_tokens: int) -> Iterator[None]:
+        """Run one step's compute on this worker's cores and, if it computes enough prompt
+        tokens to gain from more threads and few enough that a lender wanting its cores back
+        waits little, every idle set it can take."""
         self.busy()
         taken = [s for s in self._others if self._borrow(s)] \
-            if num_tokens >= MIN_LENT_TOKENS else []
+            if MIN_LENT_TOKENS <= prompt_tokens <= MAX_LENT_TOKENS else []
         if not taken:
             yield
             return

@@ -38,7 +38,7 @@ from pdserve.engine.stop_strings import TextStream
 logger = logging.getLogger(__name__)
 
 LayerHook = Callable[[int, SchedulerOutput], None]
-# Around a step's compute, given its token count: the cores it runs on (`cpu_lending.py`).
+# Around a step's compute, given its prompt tokens: the cores it runs on (`cpu_lending.py`).
 StepCores = Callable[[int], AbstractContextManager[None]]
 
 
@@ -196,8 +196,8 @@ class LLMEngine:
         hook = None if layer_hook is None else (lambda layer: layer_hook(layer, output))
         draws = self._note_scheduled(output)
         started = time.monotonic()
-        with (nullcontext() if self.step_cores is None
-              else self.step_cores(output.num_batched_tokens)):
+        with (nullcontext() if self.step_cores is None else self.step_cores(
+                sum(c.num_new_tokens for c in output.chunks if c.num_new_tokens > 1))):
             result = self.runner.execute(output, self.kv_manager.block_table, draws, hook)
         seconds = time.monotonic() - started
         self.scheduler.observe_step(output, seconds)

@@ -64,7 +64,6 @@ def pinned_config(tmp_path: Path, model: str, name: str, mode: str,
     if mode == "colocated":
         raw["roles"]["decode"]["replicas"] = 2
     raw["engine"]["cpu_affinity"] = affinity
-    raw["engine"]["cpu_lending"] = False  # every thread stays on its claimed core
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path

@@ -1,6 +1,6 @@
-"""Served colocated replicas pinned one core each lend their core while idle: a prompt on an
-idle server runs its prefill on both cores (/metrics counts the lent steps), every answer
-still comes back, and every block is free after."""
+"""Served colocated replicas pinned one core each, with engine.cpu_lending, lend their core
+while idle: a prompt on an idle server runs its prefill on both cores (/metrics counts the
+lent steps), every answer still comes back, and every block is free after."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ def test_an_idle_replicas_core_runs_the_others_prefill(
     raw = app_config(tiny_checkpoints["llama"], "colocated")
     raw["roles"]["decode"]["replicas"] = 2
     raw["engine"]["cpu_affinity"] = {"decode": [CORES[0], CORES[1]]}
+    raw["engine"]["cpu_lending"] = True
     with ray_serve.deploy("lending", raw) as url, httpx.Client(timeout=60) as client:
         assert _lent_steps(url) == 0
         for seed in range(3):  # one at a time: the other replica idles meanwhile

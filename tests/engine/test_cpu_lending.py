@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,9 +38,37 @@ def test_an_idle_workers_cores_run_a_step_and_come_back(tmp_path: Path) -> None:
     assert seen["threads_after_a_back"] == 1 and seen["lent_steps"] == 1
 
 
-def test_lending_is_on_by_default_and_can_be_turned_off(tmp_path: Path) -> None:
+def test_lending_is_off_by_default_and_can_be_turned_on(tmp_path: Path) -> None:
     base = {"model": {"path": str(tmp_path)}, "mode": "colocated",
             "roles": {"decode": {"replicas": 2}}, "engine": {"cpu_affinity": {"decode": [0, 1]}}}
-    assert PdserveConfig.model_validate(base).engine.cpu_lending
-    base["engine"]["cpu_lending"] = False
     assert not PdserveConfig.model_validate(base).engine.cpu_lending
+    base["engine"]["cpu_lending"] = True
+    assert PdserveConfig.model_validate(base).engine.cpu_lending
+
+
+def test_only_pinned_one_rank_cpu_workers_lend(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from pdserve.engine.cpu_affinity import claim_core_set
+    from pdserve.engine.cpu_lending import CoreLending, lending
+    from tests.engine.cpu_claim_child import affinity
+
+    aff = affinity(tmp_path, "0", "1")
+    claim = claim_core_set(aff, "decode")
+    try:
+        def engine(tp: int, device: str) -> Any:
+            return SimpleNamespace(tp=SimpleNamespace(size=tp),
+                                   device=SimpleNamespace(type=device))
+
+        def config(on: bool, pinned: bool = True) -> Any:
+            return SimpleNamespace(cpu_lending=on, cpu_affinity=aff if pinned else None)
+
+        made = lending(config(True), claim, engine(1, "cpu"))
+        assert isinstance(made, CoreLending)
+        made.close()
+        assert lending(config(False), claim, engine(1, "cpu")) is None
+        assert lending(config(True, pinned=False), None, engine(1, "cpu")) is None
+        assert lending(config(True), claim, engine(2, "cpu")) is None  # TP ranks keep theirs
+        assert lending(config(True), claim, engine(1, "cuda")) is None
+    finally:
+        claim.release()
