@@ -101,7 +101,7 @@ class LLMEngine:
         self.tiers.attach(self.kv_manager, self.scheduler)
         self.runner = ModelRunner(loaded.model, self.kv_cache, config.block_size, self.device)
         self.grammars = self._grammar_compiler()
-        self.runner.grammars = GrammarMasks(self.grammars, overlap=self.device.type == "cuda")
+        self.runner.grammars = GrammarMasks(self.grammars, self.device)
         self.stats = EngineStats()
         self.step_cores: StepCores | None = None
         self._tracked: dict[str, _Tracked] = {}

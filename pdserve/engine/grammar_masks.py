@@ -77,22 +77,22 @@ class StepMask:
 class GrammarMasks:
     """The runner's per-request matchers (dropped with their requests) and step masks.
 
-    With ``overlap`` (CUDA: the host thread only waits while the device runs the model) a
+    On CUDA (the host thread only waits while the device runs the model: ``overlap``) a
     step's mask is filled on the masks' own thread during the forward pass; the grammar
     library fills all rows in one call that releases the GIL. On CPU the forward pass keeps
     the cores busy, and a second thread there measured slower than filling after it on the
     engine thread (`benchmarks/structured_outputs.py --masks`). The matchers are touched by
     one thread at a time."""
 
-    def __init__(self, compiler: GrammarCompiler, overlap: bool) -> None:
+    def __init__(self, compiler: GrammarCompiler, device: torch.device) -> None:
         self.compiler = compiler
-        self.overlap = overlap
+        self.overlap = device.type == "cuda"
         self._cursors: weakref.WeakKeyDictionary[Request, _Cursor] = weakref.WeakKeyDictionary()
         self._bitmask = xgr.allocate_token_bitmask(1, compiler.vocab_size)
         self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-masks")
-        if not overlap:
-            mask_kernel()  # CPU logits: the C loop is built at start-up, not in a request's step
+        if device.type == "cpu":
+            mask_kernel()  # the C loop is built at start-up, not in a request's step
 
     def start(self, requests: Sequence[Request]) -> PendingMask | None:
         """The step's mask, for the sampler to take after the forward pass (None: no row

@@ -40,6 +40,13 @@ def _prompt(engine: LLMEngine) -> list[int]:
     return engine.tokenizer.encode_chat([{"role": "user", "content": "a person, as JSON"}])
 
 
+def _all_blocks_free(engine: LLMEngine) -> None:
+    """Every block back (cached ones count as free), nothing left queued; integrity checked."""
+    stats = engine.kv_stats()
+    assert stats.num_free_blocks == stats.num_blocks
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+
+
 def test_schema_outputs_validate_and_free_rows_do_not(engine: LLMEngine) -> None:
     spec = GrammarSpec.json_schema(SCHEMA)
     params = [SamplingParams(max_tokens=120, seed=i, grammar=spec if i % 2 == 0 else None)
@@ -53,6 +60,7 @@ def test_schema_outputs_validate_and_free_rows_do_not(engine: LLMEngine) -> None
         else:
             with pytest.raises(json.JSONDecodeError):
                 json.loads(text)
+    _all_blocks_free(engine)
 
 
 def test_a_repeat_compiles_nothing(engine: LLMEngine) -> None:
@@ -77,6 +85,7 @@ def test_resumed_tokens_advance_the_matcher(engine: LLMEngine) -> None:
         for out in engine.step():
             tokens += out.new_token_ids
     jsonschema.validate(json.loads(engine.tokenizer.decode(tokens)), SCHEMA)
+    _all_blocks_free(engine)
 
 
 def test_greedy_grammar_row_takes_the_best_allowed_token() -> None:
@@ -115,6 +124,7 @@ def test_preempted_requests_keep_their_grammar(tiny_checkpoints: dict[str, str])
     assert engine.stats.num_preemptions > 0
     for output in outputs:
         jsonschema.validate(json.loads(engine.tokenizer.decode(output)), SCHEMA)
+    _all_blocks_free(engine)
 
 
 def test_free_batches_start_no_mask(engine: LLMEngine) -> None:
@@ -163,6 +173,7 @@ def test_masks_filled_during_the_forward_pass_are_the_same(engine: LLMEngine) ->
     assert outputs[True] == outputs[False]
     for output in outputs[True][1::2]:
         jsonschema.validate(json.loads(engine.tokenizer.decode(output)), SCHEMA)
+    _all_blocks_free(engine)
 
 
 def test_past_the_grammars_end_only_stop_tokens_follow(engine: LLMEngine) -> None:

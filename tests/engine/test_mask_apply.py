@@ -98,7 +98,7 @@ def test_cpu_masks_build_the_loop_at_start_up(monkeypatch: pytest.MonkeyPatch,
     """A fresh cache directory: the first constrained step would otherwise pay the compile."""
     compiler = GrammarCompiler(64, lambda: [b"x"] * 64, [0])
     with fresh_build(monkeypatch, tmp_path, mask_apply.mask_kernel) as built:
-        masks = GrammarMasks(compiler, overlap=False)
+        masks = GrammarMasks(compiler, torch.device("cpu"))
         masks.close()
         compiler.close()
         assert mask_apply.mask_kernel.cache_info().currsize == 1
