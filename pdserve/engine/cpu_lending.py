@@ -36,8 +36,8 @@ TASKS = Path("/proc/self/task")
 # Only steps that compute prompt tokens borrow, and only MIN..MAX of them (medium checkpoint,
 # float32, 2-core EPYC): a 112-token prefill took 59-95 ms with a lent core against 86-117
 # without, while a one-row decode step gained nothing (12.3-13.9 ms against 12.3-13.2) and
-# 32/64 streams decoding on two replicas lost 5-25 % of their throughput with decode steps
-# lent (the two-thread step waits on the core that the ingress and clients also run on).
+# 32/64 streams decoding on two replicas lost 7 and 11 % of their throughput with decode
+# steps lent.
 MIN_LENT_TOKENS = 16
 # A lender that gets work waits for the step: a 512-token prefill takes 0.21-0.26 s there
 # on two threads, a whole-batch one of ~1,800 tokens ~0.9 s.
