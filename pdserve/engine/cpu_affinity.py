@@ -98,6 +98,11 @@ def set_file(root: Path, role: str, index: int, kind: str) -> Path:
     return root / f"{role}-{index}.{kind}"
 
 
+def open_set_file(root: Path, role: str, index: int, kind: str) -> int:
+    """``set_file`` opened (made if missing) for ``flock``."""
+    return os.open(set_file(root, role, index, kind), os.O_RDWR | os.O_CREAT, 0o600)
+
+
 def claim_core_set(affinity: CpuAffinity, role: str) -> CpuClaim:
     """Take the first free core set of ``role``, waiting (bounded) while all are held."""
     sets = affinity.sets_for(role)
@@ -108,7 +113,7 @@ def claim_core_set(affinity: CpuAffinity, role: str) -> CpuClaim:
     deadline = time.monotonic() + affinity.claim_timeout_s
     while True:
         for index, cores in enumerate(sets):
-            fd = os.open(set_file(root, role, index, "claim"), os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_set_file(root, role, index, "claim")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -117,7 +122,7 @@ def claim_core_set(affinity: CpuAffinity, role: str) -> CpuClaim:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())  # who holds it, for the error below
             # A worker borrowing these cores gives them back when its step ends.
-            lease = os.open(set_file(root, role, index, "lease"), os.O_RDWR | os.O_CREAT, 0o600)
+            lease = open_set_file(root, role, index, "lease")
             fcntl.flock(lease, fcntl.LOCK_EX)
             return CpuClaim(role, index, cores, fd, lease)
         if time.monotonic() > deadline:

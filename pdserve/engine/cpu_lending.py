@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.engine.cpu_affinity import CpuAffinity, CpuClaim, format_cpu_list, set_file
+from pdserve.engine.cpu_affinity import CpuAffinity, CpuClaim, format_cpu_list, open_set_file
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
@@ -53,10 +53,6 @@ class LendableSet:
     want_fd: int
 
 
-def _open(path: Path) -> int:
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-
-
 def _try_lock(fd: int, mode: int) -> bool:
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -74,15 +70,16 @@ class CoreLending:
         root = Path(affinity.claim_dir)
         self.cores = claim.cores
         self._lease_fd = claim.lease_fd
-        self._want_fd = _open(set_file(root, claim.role, claim.index, "want"))
+        self._want_fd = open_set_file(root, claim.role, claim.index, "want")
         self._holding = True  # the claim took the lease
         self._others = [
-            LendableSet(cores, _open(set_file(root, role, index, "lease")),
-                        _open(set_file(root, role, index, "want")))
+            LendableSet(cores, open_set_file(root, role, index, "lease"),
+                        open_set_file(root, role, index, "want"))
             for role, sets in affinity.core_sets for index, cores in enumerate(sets)
             if (role, index) != (claim.role, claim.index) and cores.isdisjoint(claim.cores)]
         self._threads = torch.get_num_threads()
         self._workers: set[int] = set()
+        self._engine_name: str | None = None  # the engine thread's, which its pools inherit
         self.lent_steps = 0  # steps that ran with borrowed cores
 
     def idle(self) -> None:
@@ -103,10 +100,9 @@ class CoreLending:
 
     @contextmanager
     def step(self, prompt_tokens: int) -> Iterator[None]:
-        """Run one step's compute on this worker's cores and, if it computes enough prompt
-        tokens to gain from more threads and few enough that a lender wanting its cores back
-        waits little, every idle set it can take."""
-        self.busy()
+        """Run one step's compute (its worker ``busy``) on this worker's cores and, if it
+        computes enough prompt tokens to gain from more threads and few enough that a lender
+        wanting its cores back waits little, every idle set it can take."""
         taken = [s for s in self._others if self._borrow(s)] \
             if MIN_LENT_TOKENS <= prompt_tokens <= MAX_LENT_TOKENS else []
         if not taken:
@@ -115,7 +111,8 @@ class CoreLending:
         import torch
 
         borrowed = frozenset().union(*(s.cores for s in taken))
-        engine_tid = threading.get_native_id()
+        if self._engine_name is None:
+            self._engine_name = _comm(str(threading.get_native_id()))
         before = set(os.listdir(TASKS))
         try:
             self._pin(self._workers, borrowed)
@@ -123,7 +120,7 @@ class CoreLending:
             yield
         finally:
             torch.set_num_threads(self._threads)
-            self._adopt(before, engine_tid, borrowed)
+            self._adopt(before, borrowed)
             self.lent_steps += 1
             for lent in taken:
                 fcntl.flock(lent.lease_fd, fcntl.LOCK_UN)
@@ -142,16 +139,16 @@ class CoreLending:
         fcntl.flock(lent.want_fd, fcntl.LOCK_UN)
         return _try_lock(lent.lease_fd, fcntl.LOCK_EX)
 
-    def _adopt(self, before: set[str], engine_tid: int, borrowed: frozenset[int]) -> None:
+    def _adopt(self, before: set[str], borrowed: frozenset[int]) -> None:
         """Threads the engine thread started during the step (pool workers) join the workers
         that run on borrowed cores."""
-        name = _comm(str(engine_tid))
-        for tid in set(os.listdir(TASKS)) - before:
-            if _comm(tid) == name:
-                self._workers.add(int(tid))
-                logger.debug("OpenMP worker %s runs on lent cores %s", tid,
-                             format_cpu_list(borrowed))
-        self._pin(self._workers, borrowed)
+        new = {int(tid) for tid in set(os.listdir(TASKS)) - before
+               if _comm(tid) == self._engine_name}
+        if new:
+            logger.debug("OpenMP workers %s run on lent cores %s", sorted(new),
+                         format_cpu_list(borrowed))
+            self._pin(new, borrowed)
+            self._workers |= new
 
     def _pin(self, tids: set[int], cores: frozenset[int]) -> None:
         for tid in list(tids):
